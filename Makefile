@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve chat test test-fast lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: a loose `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0 triton==3.6.0
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Fetch the default model (once, cached) and chat with it offline.
+# (The disaggregated router + prefill + decode stack replaces this in a later issue.)
+serve: $(STAMP)
+	$(VENV)/bin/pdserve chat --model smollm2 $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/offline.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

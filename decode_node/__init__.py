@@ -1,0 +1,1 @@
+"""decode_node: built in a later issue (see the README)."""

@@ -1,0 +1,20 @@
+"""What attention needs to find each request's KV in the flattened batch (DESIGN.md, "The batch").
+
+Built once per step by the model runner and passed down explicitly (no module globals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [S+1] int32: request s owns tokens qsl[s]:qsl[s+1]
+    seq_lens: torch.Tensor  # [S] int32: KV length of request s after this step (cached + new)
+    block_tables: torch.Tensor  # [S, max_blocks] int32: logical → physical block, padded with -1
+    slot_mapping: torch.Tensor  # [T] int32: block * block_size + offset for each new token; -1 = skip
+    max_query_len: int  # host-side maxima, so kernel launches need no device-to-host sync
+    max_seq_len: int

@@ -1,0 +1,203 @@
+"""Paged KV blocks: a free list, refcounts, and a hash-chained prefix cache (pure Python).
+
+Ownership: the scheduler asks for blocks on a request's behalf (`allocate`), and gives them back
+on finish, abort and preemption (`free`, `swap_out`). The manager owns the request → blocks
+table, so a block is never referenced from two places that could disagree.
+
+Prefix caching. A *full* block whose KV has been computed gets a key chained over its parent:
+``key(i) = hash((key(i-1), tokens of block i))``. Equal keys mean equal prefixes, so a new
+request whose leading blocks hash to cached keys shares those physical blocks (refcount > 1)
+and skips their prefill. A block whose refcount drops to 0 keeps its key and its KV: it sits in
+an LRU list and is evicted (key dropped) only when the free list runs dry.
+
+Invariant (tests check it after every step):
+    num_free_blocks + num_evictable_blocks + num_used_blocks == num_blocks
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        num_host_blocks: int = 0,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[int | None] = [None] * num_blocks  # prefix-cache key of a full, computed block
+        self.free_ids: deque[int] = deque(range(num_blocks))  # refcount 0, no cached content
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # refcount 0, cached content; LRU first
+        self.cached: dict[int, int] = {}  # key → block id
+        self.tables: dict[str, list[int]] = {}  # request id → its blocks in logical order
+        self.keys: dict[str, list[int]] = {}  # request id → keys of its leading full blocks
+        # Host pool for swapping: only ids and a free list here; the bytes live in the model runner.
+        self.num_host_blocks = num_host_blocks
+        self.free_host_ids: deque[int] = deque(range(num_host_blocks))
+        self.host_tables: dict[str, list[int]] = {}
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which were found
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: never-cached ones plus evictable cached ones."""
+        return len(self.free_ids) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -------------------------------------------------------------------
+    def get_computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """Leading full blocks of `token_ids` whose KV is cached. At least one token is left
+        uncomputed, since the step that samples needs the last token's logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = 0
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            parent = hash((parent, tuple(token_ids[start : start + bs])))
+            block_id = self.cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.num_prefix_queries += len(token_ids)
+        self.num_prefix_hits += len(hits) * bs
+        return hits
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Give keys to the request's blocks that became full and computed in the last step."""
+        if not self.enable_prefix_caching:
+            return
+        table, keys = self.tables[request_id], self.keys.setdefault(request_id, [])
+        parent = keys[-1] if keys else 0
+        bs = self.block_size
+        for i in range(len(keys), num_computed_tokens // bs):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            keys.append(parent)
+            block_id = table[i]
+            if self.block_keys[block_id] is None and parent not in self.cached:
+                # Same content computed twice concurrently: the first copy stays the cached one.
+                self.block_keys[block_id] = parent
+                self.cached[parent] = block_id
+
+    # ---- allocate / free ----------------------------------------------------------------
+    def can_allocate(
+        self, request_id: str, num_tokens: int, computed_block_ids: Sequence[int] = (), *, reserve: bool = False
+    ) -> bool:
+        """Can the request hold `num_tokens` tokens of KV? `computed_block_ids` are prefix hits it
+        would take (first admission only); `reserve` keeps the watermark back (new admissions)."""
+        have = len(self.tables.get(request_id, ())) or len(computed_block_ids)
+        num_needed = self.num_blocks_for(num_tokens) - have
+        # Hit blocks that are evictable leave the pool when taken.
+        num_needed += sum(1 for b in computed_block_ids if self.ref_counts[b] == 0)
+        headroom = self.watermark_blocks if reserve else 0
+        return num_needed <= self.num_free_blocks - headroom
+
+    def allocate(self, request_id: str, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> list[int]:
+        """Grow the request's table to hold `num_tokens` tokens; returns its whole table."""
+        table = self.tables.get(request_id)
+        if table is None:
+            table = self.tables[request_id] = []
+            for block_id in computed_block_ids:
+                self._take(block_id)
+                table.append(block_id)
+        elif computed_block_ids:
+            raise ValueError(f"request {request_id} already holds blocks; prefix hits apply at admission only")
+        num_new = self.num_blocks_for(num_tokens) - len(table)
+        if num_new > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {num_new}, have {self.num_free_blocks} (call can_allocate first)")
+        for _ in range(num_new):
+            table.append(self._pop_free())
+        return table
+
+    def free(self, request_id: str) -> None:
+        """Drop the request's references. The tail is released first so that, among equally old
+        cached blocks, a prefix's later blocks are evicted before its earlier ones."""
+        for block_id in reversed(self.tables.pop(request_id, [])):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] > 0:
+                continue
+            if self.block_keys[block_id] is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+        self.keys.pop(request_id, None)
+
+    def _take(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            self.evictable.pop(block_id)
+        self.ref_counts[block_id] += 1
+
+    def _pop_free(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.popleft()
+        else:
+            block_id, _ = self.evictable.popitem(last=False)  # least recently used
+            del self.cached[self.block_keys[block_id]]
+            self.block_keys[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    # ---- swap to host memory ------------------------------------------------------------
+    def can_swap_out(self, request_id: str) -> bool:
+        return len(self.tables.get(request_id, ())) <= len(self.free_host_ids)
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request to host blocks; returns (device block, host block) copies to make
+        before the next forward writes into the freed device blocks."""
+        table = self.tables[request_id]
+        host = [self.free_host_ids.popleft() for _ in table]
+        self.host_tables[request_id] = host
+        pairs = list(zip(table, host))
+        self.free(request_id)
+        return pairs
+
+    def can_swap_in(self, request_id: str, num_tokens: int) -> bool:
+        return self.num_blocks_for(num_tokens) <= self.num_free_blocks
+
+    def swap_in(self, request_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Back to device blocks sized for `num_tokens`; returns (host block, device block) copies."""
+        host = self.host_tables.pop(request_id)
+        table = self.allocate(request_id, num_tokens)
+        self.free_host_ids.extend(host)
+        return list(zip(host, table))
+
+    def free_host(self, request_id: str) -> None:
+        self.free_host_ids.extend(self.host_tables.pop(request_id, []))
+
+    # ---- checks -------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the books do not balance (used by tests)."""
+        used = sum(1 for r in self.ref_counts if r > 0)
+        assert len(self.free_ids) + len(self.evictable) + used == self.num_blocks, "free + cached + used != total"
+        refs = [0] * self.num_blocks
+        for table in self.tables.values():
+            for block_id in table:
+                refs[block_id] += 1
+        assert refs == self.ref_counts, "refcounts disagree with the request tables"
+        assert all(self.ref_counts[b] == 0 and self.block_keys[b] is not None for b in self.evictable)
+        assert all(self.ref_counts[b] == 0 and self.block_keys[b] is None for b in self.free_ids)
+        assert all(self.block_keys[b] == k for k, b in self.cached.items()), "cache map disagrees with block keys"
+        host_used = sum(len(t) for t in self.host_tables.values())
+        assert host_used + len(self.free_host_ids) == self.num_host_blocks, "host blocks leaked"

@@ -1,0 +1,66 @@
+"""Engine configuration: plain values, validated in __post_init__ (vLLM's names)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
+           "float": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    model_path: Path  # a local Hugging Face directory (see engine.loader.resolve_model)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the pool
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    swap_space_gb: float = 0.0  # host memory for swapped-out requests; 0 = preempt by recompute
+    num_threads: int | None = None  # torch intra-op threads on the CPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.model_path = Path(self.model_path)
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
+            raise ValueError(f"block_size must be a power of two in 1..128, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") or cpu_has_native_bf16() else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls run natively (and several times faster than fp32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags

@@ -1,0 +1,119 @@
+"""Turns a `SchedulerOutput` into one forward pass and the sampled tokens.
+
+Owns the model weights and the KV pool: one backing buffer per node,
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so a peer on the same host
+can map the whole pool with one handle; per-layer K and V are views into it. With swap space, a
+host buffer of the same layout holds preempted requests' blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention_metadata import AttentionMetadata
+from engine.config import EngineConfig
+from engine.loader import iter_safetensors
+from engine.model_config import ModelConfig
+from engine.models import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingInput
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, num_host_blocks: int):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = self._load_model()
+        shape = (model_config.num_layers, 2, num_kv_blocks, self.block_size, model_config.num_kv_heads,
+                 model_config.head_dim)
+        self.kv_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_layers)]
+        host_shape = (model_config.num_layers, 2, num_host_blocks, *shape[3:])
+        self.host_buffer = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None
+        self.sampler = Sampler(seed=config.seed)
+
+    def _load_model(self) -> LlamaForCausalLM:
+        torch.manual_seed(self.config.seed)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config, self.config.max_model_len)
+        model = model.to_empty(device=self.device)
+        model.rotary = model.rotary.__class__(self.model_config, self.config.max_model_len).to(self.device)
+        model.load_weights(iter_safetensors(self.config.model_path))
+        if self.model_config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.to(self.dtype)
+        model.rotary.float()  # RoPE tables stay float32, as in transformers
+        return model.eval()
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Run the step; returns request id → (sampled token, logprobs) for requests that sample."""
+        self._swap(out)
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta, logits_indices = self.prepare_batch(out)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        sampling = [s for s in out.scheduled if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[logits_indices])
+        rows = [SamplingInput(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
+                for s in sampling]
+        result = self.sampler(logits, rows)
+        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
+
+    def prepare_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md."""
+        token_ids: list[int] = []
+        query_lens, seq_lens, starts, logits_indices = [], [], [], []
+        for s in out.scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            token_ids.extend(s.request.all_token_ids[start:end])
+            starts.append(start)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                logits_indices.append(len(token_ids) - 1)
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = [s.block_ids + [-1] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+
+        qlens = torch.tensor(query_lens, dtype=torch.int32)
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(qlens, 0, out=qsl[1:])
+        owner = torch.repeat_interleave(torch.arange(len(query_lens)), qlens.long())  # [T] request of each token
+        positions = torch.arange(len(token_ids), dtype=torch.int64) - qsl[:-1].long()[owner] + torch.tensor(starts)[owner]
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        slots = block_tables[owner, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slots.to(torch.int32).to(dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev)
+        return ids, positions.to(dev), meta, torch.tensor(logits_indices, dtype=torch.int64).to(dev)
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Swap-outs first: a device block freed by a swap-out may be swapped into this step."""
+        if out.blocks_to_swap_out:
+            dev_ids, host_ids = _split_pairs(out.blocks_to_swap_out)
+            self.host_buffer[:, :, host_ids] = self.kv_buffer[:, :, dev_ids.to(self.device)].cpu()
+        if out.blocks_to_swap_in:
+            host_ids, dev_ids = _split_pairs(out.blocks_to_swap_in)
+            self.kv_buffer[:, :, dev_ids.to(self.device)] = self.host_buffer[:, :, host_ids].to(self.device)
+
+
+def _split_pairs(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    src, dst = zip(*pairs)
+    return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)

@@ -1,0 +1,87 @@
+"""A request's state inside one engine (pure Python: no torch).
+
+Lengths, drawn once (vLLM's names):
+
+    |<------------- num_tokens = len(all_token_ids) ------------->|
+    |<--------- num_prompt_tokens --------->|<--- output_ids ---->|
+    |<----- num_computed_tokens ----->|<-- num_new_tokens -->|
+                                      (scheduled this step; their KV is written this step)
+
+A running request in decode has num_computed_tokens == num_tokens - 1: the last sampled token
+is fed back in the next step. Preemption by recompute resets num_computed_tokens to 0 and the
+whole sequence (prompt + outputs so far) is prefilled again.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks
+    RUNNING = "running"  # holds blocks in the device pool
+    SWAPPED = "swapped"  # preempted; its KV lives in host blocks
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"  # abort() or client gone
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower is served first when the scheduler runs by priority
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+    # Tie-break for equal arrival times: admission order is stable.
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids.extend(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

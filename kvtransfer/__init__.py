@@ -1,0 +1,1 @@
+"""kvtransfer: built in a later issue (see the README)."""

@@ -1,0 +1,1 @@
+"""prefill_node: built in a later issue (see the README)."""

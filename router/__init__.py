@@ -1,0 +1,1 @@
+"""router: built in a later issue (see the README)."""
