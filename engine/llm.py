@@ -35,9 +35,9 @@ class LLM:
         swap_space_gb: float = 0.0,
         num_threads: int | None = None,
         seed: int = 0,
+        skip_tokenizer_init: bool = False,
     ) -> None:
         from engine.loader import resolve_model  # file I/O and maybe a download: only in this factory
-        from transformers import AutoTokenizer
 
         model_path = resolve_model(model)
         config = EngineConfig(
@@ -47,7 +47,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             swap_space_gb=swap_space_gb, num_threads=num_threads, seed=seed,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = _load_tokenizer(model_path) if not skip_tokenizer_init else None
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
 
     def generate(
@@ -78,6 +78,8 @@ class LLM:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn through the tokenizer's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
         token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):  # transformers 5 returns an encoding
             token_ids = token_ids["input_ids"]
@@ -97,6 +99,8 @@ class LLM:
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) for t in prompt):
             raise ValueError("a prompt must be a string or a list of token ids (ints)")
@@ -109,3 +113,14 @@ class LLM:
                 raise ValueError(f"{name}: got {len(value)} values for {n} prompts")
             return list(value)
         return [value] * n
+
+
+def _load_tokenizer(model_path):
+    """The model folder's tokenizer, or None when it has none (tiny test models: token-id prompts)."""
+    from transformers import AutoTokenizer
+
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((model_path / n).exists() for n in names):
+        logger.warning("%s has no tokenizer: prompts must be token ids and outputs carry no text", model_path)
+        return None
+    return AutoTokenizer.from_pretrained(model_path)

@@ -194,21 +194,35 @@ def convert_gguf_locked(gguf_path: Path, target: Path) -> Path:
         started = time.monotonic()
         logger.info("Converting %s to %s (dequantizing to float32; may take a minute)", gguf_path, target)
         write_hf_dir(gguf_path, scratch)
-        publish(scratch, target)
-        logger.info("Converted %s in %.1f s", gguf_path.name, time.monotonic() - started)
+        make_readable(scratch)
+        if publish(scratch, target):
+            logger.info("Converted %s in %.1f s", gguf_path.name, time.monotonic() - started)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
-def publish(scratch: Path, target: Path) -> None:
-    """Rename a finished conversion into place; if another process got there first, keep theirs."""
+def publish(scratch: Path, target: Path) -> bool:
+    """Rename a finished conversion into place; if another process got there first, keep theirs.
+
+    Returns whether ours was the one kept.
+    """
     try:
         os.rename(scratch, target)
     except OSError:
         if not is_converted(target):
             raise
         logger.info("%s was converted by another process meanwhile; using that one", target)
+        return False
+    return True
+
+
+def make_readable(directory: Path) -> None:
+    # mkdtemp (and transformers' own temp files) are private to this user; the cache is meant to be
+    # shared with every node on the host, whoever runs it.
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
 
 
 @contextlib.contextmanager
@@ -237,13 +251,13 @@ def conversion_lock(target: Path) -> Iterator[None]:
 
 
 def write_hf_dir(gguf_path: Path, out_dir: Path) -> None:
-    """Load a GGUF with transformers (which dequantizes it) and save it as a plain HF directory."""
-    import torch
+    """Load a GGUF with transformers, dequantized to float32, and save it as a plain HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    load_args = {"gguf_file": gguf_path.name}
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **load_args, **_float32_kwarg(torch.float32))
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **load_args)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, **gguf_load_kwargs(gguf_path))
+    if getattr(model, "is_quantized", False):
+        raise RuntimeError(f"transformers kept {gguf_path.name} quantized; cannot save it as plain weights")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if not tokenizer.chat_template:
         tokenizer.chat_template = read_gguf_string(gguf_path, "tokenizer.chat_template")
     fix_special_token_ids(model, tokenizer)
@@ -251,12 +265,23 @@ def write_hf_dir(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _float32_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
-    # transformers renamed torch_dtype to dtype (4.56) and warns about the old name since 5.0.
+def gguf_load_kwargs(gguf_path: Path) -> dict:
+    """from_pretrained arguments that load every weight of a GGUF as a plain float32 tensor."""
+    import torch
     import transformers
 
+    kwargs: dict = {"gguf_file": gguf_path.name}
+    # transformers renamed torch_dtype to dtype in 4.56 and warns about the old name since 5.0.
     major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+    kwargs["dtype" if (major, minor) >= (4, 56) else "torch_dtype"] = torch.float32
+    # transformers 5 loads GGUFs through a quantizer that may keep weights packed and then refuses
+    # save_pretrained; asking it to dequantize everything gives a plain model it can save.
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:  # 4.x: GGUFs are always dequantized
+        return kwargs
+    kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    return kwargs
 
 
 def fix_special_token_ids(model, tokenizer) -> None:

@@ -44,10 +44,10 @@ class ModelRunner:
         with torch.device("meta"):
             model = LlamaForCausalLM(self.model_config, self.config.max_model_len)
         model = model.to_empty(device=self.device)
+        if self.model_config.tie_word_embeddings:  # to_empty gives each name its own storage
+            model.lm_head.weight = model.embed_tokens.weight
         model.rotary = model.rotary.__class__(self.model_config, self.config.max_model_len).to(self.device)
         model.load_weights(iter_safetensors(self.config.model_path))
-        if self.model_config.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
         model.to(self.dtype)
         model.rotary.float()  # RoPE tables stay float32, as in transformers
         return model.eval()

@@ -132,7 +132,11 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
             while not bm.can_allocate(request.request_id, target):
-                victim = max(self.running[i:], key=_order)
+                # The victim may have been scheduled earlier in this step: un-schedule it.
+                victim = max(self.running, key=_order)
+                if self.running.index(victim) < i:
+                    budget += self._unschedule(out, victim)
+                    i -= 1
                 self._preempt(victim, out)
                 if victim is request:
                     break
@@ -142,6 +146,12 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, request: Request) -> int:
+        item = next(s for s in out.scheduled if s.request is request)
+        out.scheduled.remove(item)
+        return item.num_new_tokens
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager

@@ -1,0 +1,119 @@
+"""`pdserve` command line. Subcommands grow with the project:
+
+    pdserve chat      offline chat with a model (the default model unless --model)
+    pdserve generate  offline completion of prompts given on the command line
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2", help="local HF folder, .gguf file, or 'smollm2' (default)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--swap-space-gb", type=float, default=0.0)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
+             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
+             "swap_space_gb", "num_threads", "seed")
+    return {n: getattr(args, n) for n in names}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k)
+    messages: list[dict] = []
+    prompts = args.prompt or []
+    interactive = not prompts and sys.stdin.isatty()
+    if not prompts and not interactive:
+        prompts = ["What is the capital of France? Answer in one sentence."]
+    while True:
+        if prompts:
+            text = prompts.pop(0)
+            print(f"user> {text}")
+        elif interactive:
+            try:
+                text = input("user> ").strip()
+            except EOFError:
+                return 0
+            if not text or text in ("exit", "quit"):
+                return 0
+        else:
+            return 0
+        messages.append({"role": "user", "content": text})
+        out = llm.chat(messages, params)
+        print(f"assistant> {out.text.strip()}\n", flush=True)
+        messages.append({"role": "assistant", "content": out.text})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k)
+    for out in llm.generate(args.prompt, params):
+        print(f"{out.prompt!r} -> {out.text!r} ({out.finish_reason})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chat = sub.add_parser("chat", help="offline chat with a model")
+    chat.add_argument("prompt", nargs="*", help="messages to send (default: interactive, or one demo question)")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    gen = sub.add_parser("generate", help="offline completion of prompts")
+    gen.add_argument("prompt", nargs="+")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad input: a clear message, not a traceback
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Shared factories: small plain-value builders for requests, block managers, schedulers and tiny
+random Hugging Face models saved to disk (never downloaded)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+
+# Two cores: keep torch from oversubscribing them in test processes.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+_ids = itertools.count()
+
+
+def make_request(prompt_token_ids=None, *, num_tokens: int = 8, max_tokens: int = 16, priority: int = 0,
+                 request_id: str | None = None, **params) -> Request:
+    if prompt_token_ids is None:
+        prompt_token_ids = list(range(1, num_tokens + 1))
+    return Request(
+        request_id if request_id is not None else f"req-{next(_ids)}",
+        list(prompt_token_ids),
+        SamplingParams(max_tokens=max_tokens, **params),
+        priority=priority,
+    )
+
+
+def make_block_manager(num_blocks: int = 16, block_size: int = 4, **kw) -> BlockManager:
+    kw.setdefault("watermark", 0.0)
+    return BlockManager(num_blocks, block_size, **kw)
+
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, *, num_host_blocks: int = 0,
+                   enable_prefix_caching: bool = True, eos_token_ids=(), **kw) -> Scheduler:
+    kw.setdefault("max_model_len", num_blocks * block_size)
+    bm = make_block_manager(num_blocks, block_size, num_host_blocks=num_host_blocks,
+                            enable_prefix_caching=enable_prefix_caching)
+    return Scheduler(SchedulerConfig(**kw), bm, eos_token_ids)
+
+
+def assert_no_leak(block_manager: BlockManager) -> None:
+    """The end-of-scenario check: books balance and no block or host block is held."""
+    block_manager.check_invariants()
+    assert block_manager.num_used_blocks == 0, f"{block_manager.num_used_blocks} blocks still in use"
+    assert not block_manager.tables and not block_manager.host_tables
+
+
+@pytest.fixture
+def no_leak():
+    return assert_no_leak
+
+
+# ---- tiny random Hugging Face models ------------------------------------------------------
+TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def save_tiny_model(path, arch: str = "llama", **overrides):
+    """Build a tiny random model of `arch` (llama, qwen2, mistral) and save_pretrained it (safetensors).
+    The init scale is raised so logits are far from ties and greedy parity is a sharp test."""
+    import torch
+    import transformers
+
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+    shape = dict(TINY_SHAPE, initializer_range=0.08, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+                 tie_word_embeddings=arch == "qwen2")
+    shape.update(overrides)
+    config = cls[0](**shape)
+    torch.manual_seed(1234)
+    model = cls[1](config).to(torch.float32).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model(path, "llama")
+    return path

@@ -1,0 +1,238 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.request import RequestStatus
+from tests.conftest import assert_no_leak, make_request, make_scheduler
+
+
+def fake_forward(out, token=7):
+    """Stands in for the model runner: every sampling request gets `token`."""
+    return {s.request.request_id: (token, None) for s in out.scheduled if s.samples}
+
+
+def run_to_completion(sched, max_steps=10_000, token=7):
+    finished = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return finished
+        out = sched.schedule()
+        finished += sched.postprocess(out, fake_forward(out, token))
+        sched.block_manager.check_invariants()
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    req = make_request(num_tokens=20, max_tokens=2)
+    sched.add_request(req)
+    chunks = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        chunks.append([(s.num_computed_tokens, s.num_new_tokens, s.samples) for s in out.scheduled])
+        sched.postprocess(out, fake_forward(out))
+    assert chunks == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)], [(20, 1, True)]]
+    assert req.output_token_ids == [7, 7] and req.finish_reason == "length"
+    assert_no_leak(sched.block_manager)
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=64, max_model_len=64,
+                           enable_chunked_prefill=False)
+    a, b = make_request(num_tokens=40, max_tokens=1), make_request(num_tokens=40, max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 40)]
+    sched.postprocess(out, fake_forward(out))
+    run_to_completion(sched)
+    assert_no_leak(sched.block_manager)
+
+
+def test_decodes_and_a_new_prefill_share_a_step():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=16)
+    a = make_request(num_tokens=6, max_tokens=5)
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.postprocess(out, fake_forward(out))
+    b = make_request(list(range(20, 30)), max_tokens=5)  # no prefix shared with a
+    sched.add_request(b)
+    out = sched.schedule()
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(a, 1), (b, 10)]
+    assert out.num_batched_tokens == 11
+    sched.postprocess(out, fake_forward(out))
+    run_to_completion(sched)
+    assert_no_leak(sched.block_manager)
+
+
+def test_max_num_seqs_bounds_the_batch():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=2)
+    reqs = [make_request(num_tokens=3, max_tokens=3) for _ in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert len(out.scheduled) <= 2
+        sched.postprocess(out, fake_forward(out))
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert_no_leak(sched.block_manager)
+
+
+def test_out_of_blocks_preempts_the_latest_by_recompute():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    a, b = make_request(num_tokens=8, max_tokens=8), make_request(num_tokens=8, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        preempted += out.preempted_request_ids
+        sched.postprocess(out, fake_forward(out))
+        sched.block_manager.check_invariants()
+    assert preempted and preempted[0] == b.request_id
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert a.output_token_ids == b.output_token_ids == [7] * 8
+    assert_no_leak(sched.block_manager)
+
+
+def test_out_of_blocks_swaps_when_host_space_allows():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, num_host_blocks=8)
+    a, b = make_request(num_tokens=8, max_tokens=8), make_request(num_tokens=8, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    swapped_out = swapped_in = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        swapped_out += len(out.blocks_to_swap_out)
+        swapped_in += len(out.blocks_to_swap_in)
+        if out.blocks_to_swap_out:
+            assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens > 0  # keeps its progress
+        sched.postprocess(out, fake_forward(out))
+        sched.block_manager.check_invariants()
+    assert swapped_out > 0 and swapped_in == swapped_out
+    assert a.output_token_ids == b.output_token_ids == [7] * 8
+    assert_no_leak(sched.block_manager)
+
+
+def test_priority_orders_admission():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1)
+    low = make_request(num_tokens=3, max_tokens=1, priority=5)
+    high = make_request(num_tokens=3, max_tokens=1, priority=-1)
+    mid = make_request(num_tokens=3, max_tokens=1, priority=0)
+    for r in (low, high, mid):
+        sched.add_request(r)
+    order = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        order += [s.request for s in out.scheduled]
+        sched.postprocess(out, fake_forward(out))
+    assert order == [high, mid, low]
+    assert_no_leak(sched.block_manager)
+
+
+def test_preemption_picks_the_lowest_priority():
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    vip = make_request(num_tokens=8, max_tokens=8, priority=-1)
+    normal = make_request(num_tokens=8, max_tokens=8, priority=0)
+    sched.add_request(normal)
+    out = sched.schedule()
+    sched.postprocess(out, fake_forward(out))
+    sched.add_request(vip)
+    victims = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        victims += out.preempted_request_ids
+        sched.postprocess(out, fake_forward(out))
+    assert victims and set(victims) == {normal.request_id}
+    assert_no_leak(sched.block_manager)
+
+
+def test_eos_and_stop_tokens_finish_with_stop():
+    sched = make_scheduler(eos_token_ids=[7])
+    a = make_request(num_tokens=3, max_tokens=10)
+    b = make_request(num_tokens=3, max_tokens=3, ignore_eos=True)
+    c = make_request(num_tokens=3, max_tokens=10, ignore_eos=True, stop_token_ids=[7])
+    for r in (a, b, c):
+        sched.add_request(r)
+    run_to_completion(sched)
+    assert (a.finish_reason, a.output_token_ids) == ("stop", [7])
+    assert (b.finish_reason, b.output_token_ids) == ("length", [7, 7, 7])
+    assert (c.finish_reason, c.output_token_ids) == ("stop", [7])
+    assert_no_leak(sched.block_manager)
+
+
+def test_abort_releases_blocks_from_every_queue():
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, num_host_blocks=8, max_num_seqs=2)
+    reqs = [make_request(num_tokens=8, max_tokens=20) for _ in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(6):
+        out = sched.schedule()
+        sched.postprocess(out, fake_forward(out))
+    states = {r.status for r in reqs}
+    assert RequestStatus.RUNNING in states and RequestStatus.WAITING in states
+    for r in reqs:
+        sched.abort(r.request_id)
+        sched.block_manager.check_invariants()
+    assert all(r.finish_reason == "abort" for r in reqs)
+    assert not sched.has_unfinished()
+    assert_no_leak(sched.block_manager)
+
+
+def test_prefix_hits_skip_cached_tokens():
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    shared = list(range(1, 13))
+    a = make_request(shared + [50], max_tokens=1)
+    sched.add_request(a)
+    run_to_completion(sched)
+    b = make_request(shared + [60, 61], max_tokens=1)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert (out.scheduled[0].num_computed_tokens, out.scheduled[0].num_new_tokens) == (12, 2)
+    assert b.num_cached_tokens == 12
+    sched.postprocess(out, fake_forward(out))
+    assert_no_leak(sched.block_manager)
+
+
+def test_prompt_that_cannot_fit_max_model_len_is_refused():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    import pytest
+
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request(num_tokens=16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(-1, 1), st.integers(0, 3)),
+             min_size=1, max_size=12),
+    st.integers(0, 6),
+    st.sampled_from([0, 16]),
+    st.booleans(),
+    st.lists(st.integers(0, 11), max_size=4),
+)
+def test_random_workloads_finish_every_request_and_leak_nothing(specs, max_seqs_extra, host_blocks, prefix,
+                                                                abort_at):
+    """Property: random arrivals (lengths, output lengths, priorities, shared prefixes), aborts at
+    random steps, tight pools with preemption by recompute or swap. After every step the books
+    balance; at the end every request finished and no block is held."""
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=2 + max_seqs_extra,
+                           num_host_blocks=host_blocks, enable_prefix_caching=prefix, eos_token_ids=[3])
+    reqs = []
+    for i, (n, max_tokens, prio, family) in enumerate(specs):
+        prompt = [(family * 7 + j) % 11 + 1 for j in range(n)]
+        reqs.append(make_request(prompt, max_tokens=max_tokens, priority=prio, request_id=f"p{i}"))
+    pending = list(reqs)
+    step = 0
+    while pending or sched.has_unfinished():
+        if pending:  # one arrival per step: requests join while others decode
+            sched.add_request(pending.pop(0))
+        if step in abort_at and reqs:
+            sched.abort(reqs[step % len(reqs)].request_id)
+        out = sched.schedule()
+        sampled = {s.request.request_id: ((s.request.num_tokens * 5) % 13, None) for s in out.scheduled if s.samples}
+        sched.postprocess(out, sampled)
+        sched.block_manager.check_invariants()
+        step += 1
+        assert step < 2000, "no progress"
+    assert all(r.is_finished for r in reqs)
+    assert_no_leak(sched.block_manager)
