@@ -10,12 +10,14 @@ threshold "keep w >= t".
 
 The draw is an inverse CDF with one uniform per row. A seeded row takes its uniform from a
 counter-based hash of (seed, output position) computed on the host, so the token depends only on
-those two numbers and the logits: the same on every node, process, device and batch layout, after
-a move or a recompute. Unseeded rows share the Sampler's own torch generator.
+those two numbers and the logits: the same on every node, process and batch layout, after a move
+or a recompute (across device types, up to rounding in the probabilities). Unseeded rows share
+the Sampler's own torch generator.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,7 +61,9 @@ class Sampler:
         if len(plain) == len(rows):
             return logits.argmax(-1)  # bf16 -> fp32 is exact, so the argmax needs no cast
         # one argmax over every row costs less than selecting the plain ones first
-        token_ids = logits.argmax(-1) if plain else torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        token_ids = (
+            logits.argmax(-1) if plain else torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        )
         plain_set = set(plain)
         rest = [i for i in range(len(rows)) if i not in plain_set]
         rest_rows = [rows[i] for i in rest]
@@ -73,14 +77,20 @@ class Sampler:
         if drawn:
             drawn_rows = [rest_rows[j] for j in drawn]
             uniforms = self._uniforms(drawn_rows, logits.device)
-            _put(token_ids, [rest[j] for j in drawn], _draw_rows(_take_rows(work, drawn), drawn_rows, uniforms))
+            _put(
+                token_ids, [rest[j] for j in drawn], _draw_rows(_take_rows(work, drawn), drawn_rows, uniforms)
+            )
         return token_ids
 
     def _uniforms(self, rows: Sequence[SamplingInput], device: torch.device) -> torch.Tensor:
         num_unseeded = sum(r.params.seed is None for r in rows)
         unseeded = iter(torch.rand(num_unseeded, dtype=torch.float64, generator=self._generator).tolist())
-        values = [next(unseeded) if r.params.seed is None else seeded_uniform(r.params.seed, len(r.output_token_ids))
-                  for r in rows]
+        values = [
+            next(unseeded)
+            if r.params.seed is None
+            else seeded_uniform(r.params.seed, len(r.output_token_ids))
+            for r in rows
+        ]
         return torch.tensor(values, dtype=torch.float64, device=device)
 
 
@@ -100,41 +110,55 @@ def _splitmix64(x: int) -> int:
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingInput]) -> torch.Tensor:
     """Repetition, then frequency, then presence penalties, in place on float `logits` [S, vocab].
 
-    Works on the (row, token) pairs that occur, never on a dense [S, vocab] count matrix.
+    Works on the (row, token) pairs that occur, never on a dense [S, vocab] matrix. Repeated pairs
+    need no dedup for the repetition penalty: every copy writes the same value, computed from
+    the logits as they were before the write.
     """
     penalized = [i for i, r in enumerate(rows) if r.params.needs_penalties]
     if not penalized:
         return logits
     vocab_size = logits.shape[1]
     params = [r.params for r in rows]
-    out_keys, out_counts = torch.unique(
-        _token_keys([rows[i].output_token_ids for i in penalized], penalized, vocab_size), return_counts=True)
     repeat = [i for i in penalized if params[i].repetition_penalty != 1]
     if repeat:
-        prompt_keys = _token_keys([rows[i].prompt_token_ids for i in repeat], repeat, vocab_size)
-        seen = torch.unique(torch.cat([prompt_keys, out_keys])).to(logits.device)
-        row, tok = seen // vocab_size, seen % vocab_size
-        penalty = _column([p.repetition_penalty for p in params], logits.device).squeeze(1)[row]
-        values = logits[row, tok]
+        seen = _token_pairs(
+            [rows[i].prompt_token_ids for i in repeat] + [rows[i].output_token_ids for i in repeat],
+            repeat + repeat,
+            vocab_size,
+            logits.device,
+        )
+        penalty = _column([p.repetition_penalty for p in params], logits.device).squeeze(1)[seen[0]]
+        values = logits[seen]
         # HF-style: a division would raise a negative logit, so negatives are multiplied instead
-        logits[row, tok] = torch.where(values > 0, values / penalty, values * penalty)
-    if any(params[i].frequency_penalty or params[i].presence_penalty for i in penalized):
-        out_keys, out_counts = out_keys.to(logits.device), out_counts.to(logits.device)
-        row, tok = out_keys // vocab_size, out_keys % vocab_size
-        freq = _column([p.frequency_penalty for p in params], logits.device).squeeze(1)[row]
-        presence = _column([p.presence_penalty for p in params], logits.device).squeeze(1)[row]
-        logits[row, tok] -= freq * out_counts + presence
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    additive = [i for i in penalized if params[i].frequency_penalty or params[i].presence_penalty]
+    if additive:
+        counts = [Counter(_as_ints(rows[i].output_token_ids)) for i in additive]
+        pairs = _token_pairs([list(c) for c in counts], additive, vocab_size, logits.device)
+        num_seen = torch.tensor(
+            [n for c in counts for n in c.values()], dtype=torch.float32, device=logits.device
+        )
+        freq = _column([p.frequency_penalty for p in params], logits.device).squeeze(1)[pairs[0]]
+        presence = _column([p.presence_penalty for p in params], logits.device).squeeze(1)[pairs[0]]
+        logits[pairs] -= freq * num_seen + presence
     return logits
 
 
-def _token_keys(token_lists: Sequence[Sequence[int]], row_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """row * vocab + token for every token of every list, on the CPU (the lists live on the host)."""
+def _token_pairs(
+    token_lists: Sequence[Sequence[int]], row_ids: Sequence[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row ids, token ids) for every token of every list: an index into [S, vocab]."""
     tokens = [torch.as_tensor(t, dtype=torch.long, device="cpu").reshape(-1) for t in token_lists]
-    flat = torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long)
+    flat = torch.cat(tokens)
     if flat.numel() and (flat.min() < 0 or flat.max() >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}) to be penalized")
     lens = torch.tensor([t.numel() for t in tokens], dtype=torch.long)
-    return torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lens) * vocab_size + flat
+    row = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lens)
+    return row.to(device), flat.to(device)
+
+
+def _as_ints(token_ids: Sequence[int]) -> list[int]:
+    return token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
@@ -145,8 +169,9 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k, top_p, min_p) -> torch.
     """
     num_rows = logits.shape[0]
     weights = (logits - logits.amax(-1, keepdim=True)).exp_()
-    keep_from = _filter_weights(weights, _per_row(top_k, num_rows), _per_row(top_p, num_rows),
-                                 _per_row(min_p, num_rows))
+    keep_from = _filter_weights(
+        weights, _per_row(top_k, num_rows), _per_row(top_p, num_rows), _per_row(min_p, num_rows)
+    )
     return logits.masked_fill_(weights < keep_from, float("-inf"))
 
 
@@ -160,7 +185,7 @@ def _filter_weights(weights: torch.Tensor, top_k: list, top_p: list, min_p: list
     k_rows = [i for i, k in enumerate(top_k) if 0 < k < vocab_size]
     if k_rows:
         k = torch.tensor([top_k[i] for i in k_rows], device=weights.device)
-        top = _take_rows(weights, k_rows).topk(int(k.max()), dim=-1).values
+        top = _take_rows(weights, k_rows).topk(max(top_k[i] for i in k_rows), dim=-1).values
         _put(keep_from, k_rows, torch.maximum(_take_rows(keep_from, k_rows), top.gather(1, k[:, None] - 1)))
     if k_rows or any(m > 0 for m in min_p):
         weights.masked_fill_(weights < keep_from, 0)  # before top_p, which renormalises over what is left
@@ -187,8 +212,9 @@ def _nucleus_cut(weights: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     num_candidates = min(vocab_size, _TOP_P_CANDIDATES)
     while pending:
         candidates = _take_rows(weights, pending).topk(num_candidates, dim=-1).values
-        found, complete = _cut_among(candidates, _take_rows(total, pending), _take_rows(p, pending),
-                                     num_candidates == vocab_size)
+        found, complete = _cut_among(
+            candidates, _take_rows(total, pending), _take_rows(p, pending), num_candidates == vocab_size
+        )
         _put(cut, pending, found)
         pending = [i for i, ok in zip(pending, complete.tolist(), strict=True) if not ok]
         grown = num_candidates * 8
@@ -234,15 +260,19 @@ def draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, target[:, None], right=True)  # [rows, 1]
     ahead = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0).squeeze(1)
-    inner_cdf = blocks[torch.arange(num_rows, device=weights.device), block.squeeze(1)].cumsum(-1, dtype=torch.float64)
-    inner_target = torch.minimum((target - ahead).clamp_(min=0),
-                                 torch.nextafter(inner_cdf[:, -1], torch.zeros_like(total)))
+    inner_cdf = blocks[torch.arange(num_rows, device=weights.device), block.squeeze(1)].cumsum(
+        -1, dtype=torch.float64
+    )
+    inner_target = torch.minimum(
+        (target - ahead).clamp_(min=0), torch.nextafter(inner_cdf[:, -1], torch.zeros_like(total))
+    )
     offset = torch.searchsorted(inner_cdf, inner_target[:, None], right=True).squeeze(1)
     return block.squeeze(1) * _DRAW_BLOCK + offset
 
 
-def gather_logprobs(logits: torch.Tensor, rows: Sequence[SamplingInput],
-                    token_ids: list[int]) -> list[dict[int, float] | None]:
+def gather_logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingInput], token_ids: list[int]
+) -> list[dict[int, float] | None]:
     """Top-n and sampled-token logprobs of the raw distribution, for rows that asked for them."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     result: list[dict[int, float] | None] = [None] * len(rows)

@@ -57,7 +57,7 @@ def no_leak():
 
 
 # ---- tiny random Hugging Face models ------------------------------------------------------
-TINY_SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY_SHAPE = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
@@ -70,7 +70,7 @@ def save_tiny_model(path, arch: str = "llama", **overrides):
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
-    shape = dict(TINY_SHAPE, initializer_range=0.08, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    shape = dict(TINY_SHAPE, initializer_range=0.08, bos_token_id=256, eos_token_id=257, pad_token_id=258,
                  tie_word_embeddings=arch == "qwen2")
     shape.update(overrides)
     config = cls[0](**shape)
@@ -80,8 +80,24 @@ def save_tiny_model(path, arch: str = "llama", **overrides):
     return model
 
 
+def save_tiny_tokenizer(path):
+    """A byte-level tokenizer matching the tiny models: ids 0..255 are bytes (so multi-byte
+    characters span tokens), 256/257/258 are <s>, </s>, <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    return fast
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_model(path, "llama")
+    save_tiny_tokenizer(path)
     return path

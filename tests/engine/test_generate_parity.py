@@ -32,11 +32,22 @@ def hf_greedy(model, prompts, max_tokens=MAX_TOKENS):
     return outs
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", pytest.param("smollm2", marks=pytest.mark.slow)])
 def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    model = save_tiny_model(path, request.param)
-    prompts = make_prompts()
+    """(model folder, 12 prompts of 1..300 tokens, transformers' greedy outputs) for tiny random
+    models of each architecture, and for the default model (slow tier)."""
+    if request.param == "smollm2":
+        from transformers import AutoModelForCausalLM
+
+        from engine.loader import resolve_model
+
+        path = resolve_model("smollm2")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        prompts = make_prompts(vocab=model.config.vocab_size)
+    else:
+        path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+        model = save_tiny_model(path, request.param)
+        prompts = make_prompts()
     return path, prompts, hf_greedy(model, prompts)
 
 
@@ -73,7 +84,7 @@ def test_prefix_cache_hits_match(tiny):
     llm = make_llm(path, block_size=16)
     shared = prompts[10][:120]  # > one block
     variants = [shared + p[:20] for p in prompts[:4]]
-    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     want = hf_greedy(model, variants)
     check(llm, variants[:1], want[:1])  # warms the cache
     queries = llm.engine.block_manager.num_prefix_hits

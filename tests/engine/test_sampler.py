@@ -106,8 +106,14 @@ def test_greedy_rows_take_the_argmax(dtype):
 
 def test_greedy_rows_inside_a_mixed_batch_take_the_argmax():
     logits = random_logits(6)
-    rows = [make_row(temperature=0), make_row(top_k=2), make_row(temperature=0, seed=3), make_row(),
-            make_row(temperature=0, top_p=0.1), make_row(min_p=0.5)]
+    rows = [
+        make_row(temperature=0),
+        make_row(top_k=2),
+        make_row(temperature=0, seed=3),
+        make_row(),
+        make_row(temperature=0, top_p=0.1),
+        make_row(min_p=0.5),
+    ]
     token_ids = Sampler()(logits, rows).token_ids
     expected = logits.argmax(-1).tolist()
     assert [token_ids[i] for i in (0, 2, 4)] == [expected[i] for i in (0, 2, 4)]
@@ -125,9 +131,13 @@ def test_draws_follow_softmax_of_logits_over_temperature(temperature):
 def test_sampler_leaves_the_callers_logits_alone():
     logits = random_logits(3)
     before = logits.clone()
-    rows = [make_row(temperature=0.5, top_k=3), make_row(repetition_penalty=1.5, presence_penalty=1.0),
-            make_row(temperature=0, frequency_penalty=1.0, output=[4])]
+    rows = [
+        make_row(temperature=0.5, top_k=3),
+        make_row(repetition_penalty=1.5, presence_penalty=1.0),
+        make_row(temperature=0, frequency_penalty=1.0, output=[4]),
+    ]
     Sampler()(logits, rows)
+    Sampler()(logits, [make_row(temperature=0.5, top_p=0.5, min_p=0.1)] * 3)  # no copy for penalties here
     assert torch.equal(logits, before)
 
 
@@ -179,8 +189,10 @@ def test_top_k_draws_stay_inside_the_top_k():
 NUCLEUS_PROBS = [0.05, 0.25, 0.1, 0.4, 0.05, 0.15]  # sorted: .4 .25 .15 .1 .05 .05
 
 
-@pytest.mark.parametrize("top_p, nucleus", [(0.3, {3}), (0.6, {3, 1}), (0.7, {3, 1, 5}), (0.85, {3, 1, 5, 2}),
-                                            (0.99, {0, 1, 2, 3, 4, 5})])
+@pytest.mark.parametrize(
+    "top_p, nucleus",
+    [(0.3, {3}), (0.6, {3, 1}), (0.7, {3, 1, 5}), (0.85, {3, 1, 5, 2}), (0.99, {0, 1, 2, 3, 4, 5})],
+)
 def test_top_p_keeps_the_smallest_set_reaching_p(top_p, nucleus):
     masked = apply_top_k_top_p_min_p(logits_of(NUCLEUS_PROBS), -1, top_p, 0.0)
     assert finite_ids(masked) == nucleus
@@ -230,9 +242,10 @@ def test_top_p_renormalises_over_what_min_p_and_top_k_kept():
 
 def test_filters_apply_per_row_and_accept_tensors():
     logits = torch.cat([logits_of(NUCLEUS_PROBS)] * 3)
-    masked = apply_top_k_top_p_min_p(logits, torch.tensor([2, 0, -1]), torch.tensor([1.0, 0.3, 1.0]),
-                                     torch.tensor([0.0, 0.0, 0.5]))
-    assert [finite_ids(masked[i:i + 1]) for i in range(3)] == [{3, 1}, {3}, {3, 1}]
+    masked = apply_top_k_top_p_min_p(
+        logits, torch.tensor([2, 0, -1]), torch.tensor([1.0, 0.3, 1.0]), torch.tensor([0.0, 0.0, 0.5])
+    )
+    assert [finite_ids(masked[i : i + 1]) for i in range(3)] == [{3, 1}, {3}, {3, 1}]
 
 
 # ---- penalties ------------------------------------------------------------------------------
@@ -262,13 +275,18 @@ def test_presence_penalty_subtracts_once_per_output_token():
 
 def test_penalties_combine_repetition_first():
     expected = [1.0, -2.0, 0.25 - 3 * 0.5 - 0.3, 3.0, -0.5, 0.5 - 0.5 - 0.3, 0.0]
-    assert penalized(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3) == pytest.approx(expected)
+    assert penalized(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3) == pytest.approx(
+        expected
+    )
 
 
 def test_penalties_apply_per_row():
     logits = torch.tensor([BASE, BASE, BASE])
-    rows = [make_row(prompt=[0], output=[3], presence_penalty=1.0), make_row(prompt=[0], output=[3]),
-            make_row(prompt=[3], output=[0, 0], frequency_penalty=-1.0)]
+    rows = [
+        make_row(prompt=[0], output=[3], presence_penalty=1.0),
+        make_row(prompt=[0], output=[3]),
+        make_row(prompt=[3], output=[0, 0], frequency_penalty=-1.0),
+    ]
     out = apply_penalties(logits, rows)
     assert out[0].tolist() == pytest.approx([2.0, -1.0, 0.5, 2.0, -0.5, 1.0, 0.0])
     assert out[1].tolist() == BASE
@@ -291,8 +309,10 @@ def test_penalising_a_token_outside_the_vocab_raises():
 
 def test_logprobs_hold_top_n_and_the_sampled_token_of_the_raw_distribution():
     logits = random_logits(2)
-    rows = [make_row(output=[0, 1], logprobs=3, temperature=0.3, top_k=2, repetition_penalty=1.7, seed=1),
-            make_row(logprobs=3, top_k=1, seed=2)]
+    rows = [
+        make_row(output=[0, 1], logprobs=3, temperature=0.3, top_k=2, repetition_penalty=1.7, seed=1),
+        make_row(logprobs=3, top_k=1, seed=2),
+    ]
     raw = torch.log_softmax(logits, dim=-1)  # temperature, top_k and penalties must not show
     out = Sampler()(logits, rows)
     for i, entry in enumerate(out.logprobs):
@@ -315,7 +335,9 @@ def test_logprobs_zero_gives_only_the_sampled_token():
     logits = random_logits(2)
     out = Sampler()(logits, [make_row(logprobs=0), make_row()])
     assert list(out.logprobs[0]) == [out.token_ids[0]]
-    assert out.logprobs[0][out.token_ids[0]] == pytest.approx(float(torch.log_softmax(logits[0], -1)[out.token_ids[0]]))
+    assert out.logprobs[0][out.token_ids[0]] == pytest.approx(
+        float(torch.log_softmax(logits[0], -1)[out.token_ids[0]])
+    )
     assert out.logprobs[1] is None
 
 
@@ -331,13 +353,32 @@ def test_a_row_count_mismatch_raises_and_an_empty_batch_is_fine():
 # ---- SamplingParams validation ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -0.1), ("temperature", math.nan),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.0), ("min_p", -0.1), ("min_p", 1.5),
-    ("presence_penalty", 2.5), ("frequency_penalty", -2.1), ("repetition_penalty", 0.0),
-    ("seed", 1.5), ("seed", "7"), ("stop", [""]), ("stop_token_ids", [-1]), ("ignore_eos", 1),
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 1.5),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("repetition_penalty", 0.0),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("ignore_eos", 1),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", True),
+    ],
+)
 def test_invalid_sampling_params_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
         SamplingParams(**{field: value})
