@@ -1,1 +1,1 @@
-"""kvtransfer: built in a later issue (see the README)."""
+"""kvtransfer: the wire between router, prefill and decode nodes (messages, sockets, KV hand-off)."""

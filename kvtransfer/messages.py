@@ -1,0 +1,305 @@
+"""Every message that crosses a socket: typed dataclasses, msgpack on the wire, never pickle.
+
+A message is a msgpack map ``{"type": NAME, "version": PROTOCOL_VERSION, **fields}``. Decoding
+checks the size before parsing, then the type, the version, and every field's presence and type;
+anything malformed raises `MessageError`, which receivers log and drop. Tensor payloads never go
+inside a message: they travel as separate ZMQ frames after a header message (`KVData`).
+
+Who sends what (R = router, P = prefill node, D = decode node):
+
+    P,D → R   Register, Heartbeat, Deregister
+    R → P     PrefillRequest                 R → P,D   Abort
+    P → R     FirstToken, Error              D → R     TokenBatch, Error
+    P → D     Handshake, KVReady, KVData     D → P     HandshakeAck, KVPull, LeaseRenew, KVDone
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20  # a control message; KV payload frames are bounded separately
+MAX_TOKENS_PER_MESSAGE = 1 << 20
+
+
+class MessageError(ValueError):
+    """A message that cannot be decoded or fails validation."""
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        return encode(self)
+
+
+# ---- node registry ----------------------------------------------------------------------
+@dataclass
+class Register(Message):
+    TYPE: ClassVar[str] = "register"
+    node_id: str
+    role: str  # "prefill" | "decode" | "both" (colocated)
+    model: str  # served model name
+    kv_addr: str = ""  # decode: where prefill nodes connect to hand KV over
+    metrics_url: str = ""
+    num_total_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0  # prompt + output tokens a request may hold on this node
+    host_id: str = ""  # same-host probing hint (never trusted alone)
+    pid: int = 0
+
+
+@dataclass
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    node_id: str
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_outstanding_tokens: int = 0  # prefill: prompt tokens queued or in progress
+    ready: bool = True  # model loaded and warmed up
+    request_ids: list[str] = field(default_factory=list)  # requests the node holds state for
+
+
+@dataclass
+class Deregister(Message):
+    TYPE: ClassVar[str] = "deregister"
+    node_id: str
+
+
+# ---- requests -----------------------------------------------------------------------------
+@dataclass
+class PrefillRequest(Message):
+    TYPE: ClassVar[str] = "prefill_request"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict  # SamplingParams.to_dict()
+    decode_node_id: str = ""  # "" = colocated: the prefill node decodes the request itself
+    decode_kv_addr: str = ""
+    priority: int = 0
+    arrival_time: float = 0.0  # router's clock (time.time()), for TTFT split by stage
+
+
+@dataclass
+class FirstToken(Message):
+    TYPE: ClassVar[str] = "first_token"
+    request_id: str
+    token_id: int
+    logprobs: dict | None = None  # {token_id: logprob}
+    finish_reason: str | None = None  # set when the first token already ends the request
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    queued_s: float = 0.0  # time in the prefill queue
+    prefill_s: float = 0.0  # admission to first token
+
+
+@dataclass
+class Token(Message):
+    TYPE: ClassVar[str] = "token"
+    request_id: str
+    index: int  # position in the output: the first token (from prefill) is index 0
+    token_id: int
+    logprobs: dict | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class TokenBatch(Message):
+    """All tokens one decode step produced, in one message."""
+
+    TYPE: ClassVar[str] = "token_batch"
+    node_id: str
+    tokens: list[Token]
+
+
+@dataclass
+class Abort(Message):
+    TYPE: ClassVar[str] = "abort"
+    request_id: str
+    reason: str = ""
+
+
+@dataclass
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    request_id: str
+    node_id: str
+    message: str
+    retryable: bool = False  # the router may re-dispatch the request elsewhere
+
+
+# ---- KV hand-off (prefill → decode) -----------------------------------------------------
+@dataclass
+class KVLayout(Message):
+    """What a KV pool holds; peers must agree on everything but the block size."""
+
+    TYPE: ClassVar[str] = "kv_layout"
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    shm_name: str = ""  # same-host fast path: the pool's shared-memory segment ("" = none)
+    device_uuid: str = ""  # CUDA device of the pool ("" on CPU)
+
+    def incompatibility(self, other: KVLayout) -> str | None:
+        for name in ("model", "dtype", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} differs: {getattr(self, name)!r} here, {getattr(other, name)!r} at the peer"
+        return None
+
+
+@dataclass
+class Handshake(Message):
+    TYPE: ClassVar[str] = "handshake"
+    node_id: str  # the prefill node
+    layout: KVLayout
+
+
+@dataclass
+class HandshakeAck(Message):
+    TYPE: ClassVar[str] = "handshake_ack"
+    node_id: str  # the decode node
+    ok: bool
+    error: str = ""
+    same_host: bool = False  # the decode node mapped the prefill pool's segment
+
+
+@dataclass
+class KVReady(Message):
+    TYPE: ClassVar[str] = "kv_ready"
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    first_logprobs: dict | None
+    sampling: dict
+    num_tokens: int  # tokens whose KV is ready (the prompt)
+    block_ids: list[int]  # the prefill node's blocks holding them, in order
+    block_size: int
+    lease_s: float  # the blocks stay pinned this long unless renewed
+    priority: int = 0
+
+
+@dataclass
+class KVPull(Message):
+    TYPE: ClassVar[str] = "kv_pull"
+    request_id: str
+
+
+@dataclass
+class KVData(Message):
+    """Header of a KV payload; the next frame holds [num_layers, 2, num_tokens, kv_heads, head_dim]."""
+
+    TYPE: ClassVar[str] = "kv_data"
+    request_id: str
+    ok: bool
+    dtype: str = ""
+    shape: list[int] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class LeaseRenew(Message):
+    TYPE: ClassVar[str] = "lease_renew"
+    request_id: str
+
+
+@dataclass
+class KVDone(Message):
+    TYPE: ClassVar[str] = "kv_done"
+    request_id: str
+    ok: bool = True  # False: the decode node gave up (abort, error); the blocks are released all the same
+    error: str = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Register, Heartbeat, Deregister, PrefillRequest, FirstToken, Token, TokenBatch, Abort, Error,
+                KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
+}
+
+
+# ---- encoding -----------------------------------------------------------------------------
+def encode(msg: Message) -> bytes:
+    return msgpack.packb(_to_wire(msg), use_bin_type=True)
+
+
+def _to_wire(msg: Message) -> dict:
+    out = {"type": msg.TYPE, "version": PROTOCOL_VERSION}
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, Message):
+            value = _to_wire(value)
+        elif isinstance(value, list) and value and isinstance(value[0], Message):
+            value = [_to_wire(v) for v in value]
+        out[f.name] = value
+    return out
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Bytes → a validated message; raises MessageError on anything malformed."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=MAX_MESSAGE_BYTES,
+                              max_str_len=MAX_MESSAGE_BYTES, max_array_len=MAX_TOKENS_PER_MESSAGE,
+                              max_map_len=MAX_TOKENS_PER_MESSAGE)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise MessageError(f"not msgpack: {e}") from None
+    return _from_wire(obj)
+
+
+def _from_wire(obj: Any) -> Message:
+    if not isinstance(obj, dict):
+        raise MessageError("a message must be a map")
+    cls = MESSAGE_TYPES.get(obj.get("type"))
+    if cls is None:
+        raise MessageError(f"unknown message type {obj.get('type')!r}")
+    if obj.get("version") != PROTOCOL_VERSION:
+        raise MessageError(f"{cls.TYPE}: protocol version {obj.get('version')!r}, expected {PROTOCOL_VERSION}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in obj:
+            kwargs[f.name] = _check(cls.TYPE, f.name, obj[f.name], hints[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MessageError(f"{cls.TYPE}: missing field {f.name!r}")
+    unknown = set(obj) - {f.name for f in dataclasses.fields(cls)} - {"type", "version"}
+    if unknown:
+        raise MessageError(f"{cls.TYPE}: unknown field(s) {sorted(unknown)}")
+    return cls(**kwargs)
+
+
+def _check(type_name: str, name: str, value: Any, hint: Any) -> Any:
+    """Validate one field against its annotation (the few shapes the messages use)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(type_name, name, value, inner)
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return _from_wire(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise MessageError(f"{type_name}.{name}: expected a list, got {type(value).__name__}")
+        return [_check(type_name, name, v, args[0]) for v in value]
+    expected = {float: (int, float), int: int, str: str, bool: bool, dict: dict}[origin or hint]
+    if not isinstance(value, expected) or (hint is int and isinstance(value, bool)):
+        raise MessageError(f"{type_name}.{name}: expected {getattr(hint, '__name__', hint)}, "
+                           f"got {type(value).__name__}")
+    if hint is float:
+        return float(value)
+    if hint is dict:  # logprob maps arrive with int keys; sampling dicts with str keys: both fine
+        return value
+    return value
