@@ -37,6 +37,37 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names}
 
 
+def build_engine(args: argparse.Namespace, kv_allocator=None):
+    """An LLMEngine (no tokenizer: nodes exchange token ids) from the engine flags."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.loader import resolve_model
+
+    config = EngineConfig(model_path=resolve_model(args.model), **engine_kwargs(args))
+    return LLMEngine(config, kv_allocator=kv_allocator)
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The name clients use for the model: --served-model-name, else the alias or folder name."""
+    from pathlib import Path
+
+    return getattr(args, "served_model_name", None) or Path(str(args.model).rstrip("/")).name.removesuffix(".gguf")
+
+
+def install_stop_handlers() -> list[bool]:
+    """SIGTERM/SIGINT set a flag the node loop reads (sockets are touched only from the loop)."""
+    import signal
+
+    flag = [False]
+
+    def on_signal(signum, frame) -> None:
+        flag[0] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return flag
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=256)
@@ -87,7 +118,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="disaggregated prefill/decode LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="disaggregated prefill/decode LLM serving",
+        epilog="serving: pdserve serve | router | prefill | decode (each takes --help)")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     chat = sub.add_parser("chat", help="offline chat with a model")
@@ -103,7 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Serving commands live with their role; they load only when asked for.
+_ROLE_COMMANDS = {
+    "router": "router.__main__",
+    "prefill": "prefill_node.__main__",
+    "decode": "decode_node.__main__",
+    "serve": "router.launcher",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _ROLE_COMMANDS:
+        import importlib
+
+        return importlib.import_module(_ROLE_COMMANDS[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

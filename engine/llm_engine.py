@@ -44,7 +44,9 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, kv_allocator=None) -> None:
+        """`kv_allocator(shape, dtype, device) -> Tensor` places the KV pool (a prefill node puts it
+        in shared memory so a decode node on the same host can map it); default torch.zeros."""
         self.config = config
         self.tokenizer = tokenizer
         if config.num_threads:
@@ -63,7 +65,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager, self.model_config.eos_token_ids)
-        self.runner = ModelRunner(config, self.model_config, num_blocks, num_host_blocks)
+        self.runner = ModelRunner(config, self.model_config, num_blocks, num_host_blocks, kv_allocator)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %d KV blocks of %d tokens, %d host blocks, dtype %s, max_model_len %d",
@@ -109,17 +111,21 @@ class LLMEngine:
     # ---- one iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs for requests that finished in it."""
+        finished = []
+        for request in self.step_requests():
+            if not request.is_finished and self._hit_stop_string(request):
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                finished.append(request)
+        return [self._output(r) for r in finished]
+
+    def step_requests(self) -> list[Request]:
+        """Run one iteration; returns every request that got a new token in it (finished ones
+        included, their blocks already released). The nodes stream from this."""
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
-        finished = self.scheduler.postprocess(out, sampled)
-        finished_ids = {r.request_id for r in finished}
-        for item in out.scheduled:
-            request = item.request
-            if request.request_id in sampled and request.request_id not in finished_ids:
-                if self._hit_stop_string(request):
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                    finished.append(request)
-        return [self._output(r) for r in finished]
+        self.scheduler.postprocess(out, sampled)
+        return [item.request for item in out.scheduled if item.request.request_id in sampled]
 
     def _hit_stop_string(self, request: Request) -> bool:
         detok = self.detokenizers.get(request.request_id)

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, num_host_blocks: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, num_host_blocks: int,
+                 kv_allocator=None):
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
@@ -33,7 +34,8 @@ class ModelRunner:
         self.model = self._load_model()
         shape = (model_config.num_layers, 2, num_kv_blocks, self.block_size, model_config.num_kv_heads,
                  model_config.head_dim)
-        self.kv_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        allocate = kv_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_buffer = allocate(shape, self.dtype, self.device)
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_layers)]
         host_shape = (model_config.num_layers, 2, num_host_blocks, *shape[3:])
         self.host_buffer = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None

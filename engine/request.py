@@ -26,6 +26,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks
     RUNNING = "running"  # holds blocks in the device pool
     SWAPPED = "swapped"  # preempted; its KV lives in host blocks
+    WAITING_FOR_KV = "waiting_for_kv"  # decode node: KV announced by a prefill node, no blocks yet
+    RECEIVING_KV = "receiving_kv"  # decode node: blocks allocated, copy in flight
+    TRANSFERRING = "transferring"  # prefill node: out of the scheduler, blocks pinned under a lease
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # abort() or client gone
@@ -51,6 +54,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # wall-clock events, for latency breakdowns
     # Tie-break for equal arrival times: admission order is stable.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
 

@@ -90,6 +90,30 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_order)
 
+    def add_prefilled(self, request: Request) -> None:
+        """Admit a request whose prompt KV was computed elsewhere (a prefill node) and copied into
+        blocks the caller already allocated under its id. It joins the running batch at once:
+        prompt KV computed, the first output token not yet fed back."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if len(self.block_manager.block_ids(request.request_id)) < self.block_manager.num_blocks_for(
+            request.num_prompt_tokens
+        ):
+            raise ValueError(f"request {request.request_id}: allocate its prompt blocks before add_prefilled")
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+
+    def detach(self, request: Request) -> list[int]:
+        """Take a running request out of scheduling but leave its blocks allocated: the caller now
+        owns them (a prefill node pins them under a lease until the decode node has copied them)
+        and must call `block_manager.free(request_id)` exactly once."""
+        self.running.remove(request)
+        self.requests.pop(request.request_id, None)
+        request.status = RequestStatus.TRANSFERRING
+        return self.block_manager.block_ids(request.request_id)
+
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None:

@@ -150,6 +150,7 @@ class KVLayout(Message):
     block_size: int
     num_blocks: int
     shm_name: str = ""  # same-host fast path: the pool's shared-memory segment ("" = none)
+    probe_token: str = ""  # hex; the segment must hold it, proving the peer maps the same memory
     device_uuid: str = ""  # CUDA device of the pool ("" on CPU)
 
     def incompatibility(self, other: KVLayout) -> str | None:

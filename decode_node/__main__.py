@@ -1,0 +1,59 @@
+"""`pdserve decode --router ADDR ...` (also `python -m decode_node`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+
+logger = logging.getLogger("decode_node")
+
+
+def build_parser(prog: str = "pdserve decode") -> argparse.ArgumentParser:
+    from engine.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog=prog, description="a pdserve decode node")
+    p.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--node-id", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="interface for the KV and status endpoints")
+    p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over")
+    p.add_argument("--status-port", type=int, default=0)
+    p.add_argument("--kv-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow network
+    p.add_argument("--log-level", default="INFO")
+    add_engine_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from decode_node.node import DecodeNode
+    from engine.cli import build_engine, install_stop_handlers, served_name
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.router_link import RouterLink, StatusServer, serve_node
+    from prefill_node.node import kv_layout, register_message
+
+    stop = install_stop_handlers()
+    node_id = args.node_id or f"decode-{uuid.uuid4().hex[:8]}"
+    name = served_name(args)
+    engine = build_engine(args)
+    receiver = KVReceiver(node_id, kv_layout(engine, name), engine.runner.kv_buffer,
+                          bind_addr=f"tcp://{args.host}:{args.kv_port}")
+    link = RouterLink(args.router, register_message(node_id, "decode", engine, name, kv_addr=receiver.kv_addr))
+    node = DecodeNode(engine, link, receiver, kv_pull_delay_s=args.kv_pull_delay_s)
+    status = StatusServer(args.host, args.status_port, node.status)
+    link.register_msg.metrics_url = status.url
+    logger.info("%s ready (kv %s, status %s), registering with %s", node_id, receiver.kv_addr, status.url,
+                args.router)
+    try:
+        serve_node(node, link, stop_flag=stop)
+    finally:
+        for closer in (receiver, link, status):
+            closer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

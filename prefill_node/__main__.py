@@ -1,0 +1,76 @@
+"""`pdserve prefill --router ADDR ...` (also `python -m prefill_node`). With `--role both` the
+node prefills and decodes its own requests: the colocated comparison mode."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+
+logger = logging.getLogger("prefill_node")
+
+
+def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
+    from engine.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog=prog, description="a pdserve prefill node")
+    p.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--role", default="prefill", choices=["prefill", "both"])
+    p.add_argument("--node-id", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1", help="interface for the status endpoint")
+    p.add_argument("--status-port", type=int, default=0)
+    p.add_argument("--lease-s", type=float, default=30.0, help="how long handed-off KV stays pinned")
+    p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory KV path")
+    p.add_argument("--log-level", default="INFO")
+    add_engine_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.cli import build_engine, install_stop_handlers, served_name
+    from kvtransfer.router_link import RouterLink, StatusServer, serve_node
+    from prefill_node.node import PrefillNode, kv_layout, register_message
+
+    stop = install_stop_handlers()
+    node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    name = served_name(args)
+    shm_pool = None
+    allocator = None
+    if args.role == "prefill" and not args.no_shm and args.device == "cpu":
+        from kvtransfer.shm import SharedKVPool, cleanup_stale_segments
+
+        cleanup_stale_segments()
+
+        def allocator(shape, dtype, device):
+            nonlocal shm_pool
+            shm_pool = SharedKVPool.create(f"pdserve-{node_id}", shape, dtype)
+            return shm_pool.tensor
+
+    engine = build_engine(args, kv_allocator=allocator)
+    link = RouterLink(args.router, register_message(node_id, args.role, engine, name))
+    node = PrefillNode(engine, link, role=args.role, served_model_name=name)
+    status = StatusServer(args.host, args.status_port, node.status)
+    link.register_msg.metrics_url = status.url
+    if args.role == "prefill":
+        from kvtransfer.sender import KVSender
+
+        extra = {"shm_name": shm_pool.name, "probe_token": shm_pool.probe_token} if shm_pool else {}
+        node.sender = KVSender(node_id, kv_layout(engine, name, **extra), engine.runner.kv_buffer, node._release,
+                               lease_s=args.lease_s, shm_pool=shm_pool)
+        node.sender.on_error = node._handoff_failed
+    logger.info("%s ready (status %s), registering with %s", node_id, status.url, args.router)
+    try:
+        serve_node(node, link, stop_flag=stop)
+    finally:
+        for closer in (node.sender, link, status, shm_pool):
+            if closer is not None:
+                closer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

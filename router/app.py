@@ -1,0 +1,174 @@
+"""The OpenAI-compatible HTTP API (aiohttp) in front of a `Router`.
+
+    POST /v1/completions        text completion, SSE when "stream": true
+    POST /v1/chat/completions   chat through the tokenizer's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while a ready prefill-capable and decode-capable node are registered
+
+A generation request is validated (4xx before any node sees it), submitted, then its deltas are
+written as they come. A streamed response is only started once the first delta is in, so an
+error before the first token still gets a real HTTP status; after that errors are an SSE
+`data: {"error": ...}` event. Whatever way the handler ends (finished, client gone, cancelled),
+`router.release` runs, and it sends Abort to the nodes if the request had not ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from aiohttp import web
+
+from router.openai_protocol import ProtocolError, error_body
+from router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
+from router.registry import node_summary
+from router.request_state import Delta, RouterError, RouterRequest
+from router.router import Router
+
+logger = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+CREATED_KEY = web.AppKey("created", int)  # for /v1/models
+MAX_BODY_BYTES = 64 << 20  # token-id prompts are verbose JSON
+DISCONNECT_POLL_S = 0.5  # how often a handler waiting for tokens checks that its client is still there
+
+
+def create_app(router: Router) -> web.Application:
+    """The HTTP app; the caller owns `router` (start it before serving, close it after)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+    app[ROUTER_KEY] = router
+    app[CREATED_KEY] = int(time.time())
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/nodes", _nodes)
+    return app
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI error body: {"error": {message, type, param, code}}."""
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(e.reason, e.status), status=e.status)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        logger.exception("error serving %s %s", request.method, request.path)
+        return web.json_response(error_body("internal error", 500), status=500)
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[ROUTER_KEY].served_model_name
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": request.app[CREATED_KEY], "owned_by": "pdserve", "root": name}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[ROUTER_KEY].is_healthy():
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "no ready prefill and decode nodes"}, status=503)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    parsed = router.parse(kind, await _read_json(request))
+    request_id = new_request_id(kind)
+    fmt_cls = ChatFormat if kind == "chat" else CompletionFormat
+    fmt = fmt_cls(request_id, router.served_model_name, include_usage=parsed.stream and parsed.include_usage,
+                  top_logprobs=parsed.top_logprobs)
+    req = await router.submit(request_id, parsed)
+    try:
+        if parsed.stream:
+            return await _stream(request, req, fmt)
+        return await _collect(request, req, fmt)
+    finally:  # on finish a no-op; on disconnect or cancellation it aborts the request on the nodes
+        await router.release(req)
+
+
+async def _nodes(request: web.Request) -> web.Response:
+    """The live nodes, their load and status URLs (like SGLang router's worker list)."""
+    router: Router = request.app[ROUTER_KEY]
+    return web.json_response({"nodes": [node_summary(n) for n in router.registry.nodes.values()]})
+
+
+async def _read_json(request: web.Request):
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"invalid JSON body: {e}") from None
+
+
+async def _next_delta(request: web.Request, req: RouterRequest) -> Delta:
+    """The request's next delta; raises ConnectionResetError once the client is gone (checked
+    while waiting, so a stalled request is aborted without waiting for its next token)."""
+    while True:
+        try:
+            return await asyncio.wait_for(req.deltas.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("client disconnected") from None
+
+
+def _error_response(error: RouterError) -> web.Response:
+    return web.json_response(error_body(error.message, error.status, type=error.type), status=error.status)
+
+
+def _usage(req: RouterRequest) -> dict:
+    return usage(len(req.prompt_token_ids), len(req.output_token_ids))
+
+
+async def _collect(request: web.Request, req: RouterRequest, fmt) -> web.Response:
+    texts, logprobs = [], []
+    while True:
+        delta = await _next_delta(request, req)
+        if delta.error is not None:
+            return _error_response(delta.error)
+        texts.append(delta.text)
+        logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            return web.json_response(fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req)))
+
+
+async def _stream(request: web.Request, req: RouterRequest, fmt) -> web.StreamResponse:
+    delta = await _next_delta(request, req)
+    if delta.error is not None:  # nothing sent yet: a real status
+        return _error_response(delta.error)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    first = True
+    while True:
+        if delta.error is not None:
+            await _send_event(resp, error_body(delta.error.message, delta.error.status, type=delta.error.type))
+            break
+        for chunk in fmt.chunks(delta, first):
+            await _send_event(resp, chunk)
+        first = False
+        if delta.finish_reason is not None:
+            if fmt.include_usage:
+                await _send_event(resp, fmt.usage_chunk(_usage(req)))
+            break
+        delta = await _next_delta(request, req)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _send_event(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")

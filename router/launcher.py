@@ -1,0 +1,130 @@
+"""`pdserve serve`: the local stack in one command — a router plus prefill and decode node
+processes (or `--colocated` nodes that do both), on free ports, stopped together on Ctrl-C or
+SIGTERM (nodes first, so they drain)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve serve", description="router + prefill + decode nodes on this machine")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--num-prefill", type=int, default=1)
+    p.add_argument("--num-decode", type=int, default=1)
+    p.add_argument("--colocated", action="store_true", help="nodes that prefill and decode their own requests")
+    p.add_argument("--num-nodes", type=int, default=1, help="with --colocated: how many nodes")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per node (default: cores / nodes)")
+    p.add_argument("--prefill-args", default="", help="extra flags for prefill nodes, e.g. '--max-num-seqs 64'")
+    p.add_argument("--decode-args", default="", help="extra flags for decode nodes")
+    p.add_argument("--router-args", default="", help="extra flags for the router")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[str, list[str]]]:
+    """(name, argv) of every process to start, router first."""
+    py = [sys.executable, "-m"]
+    control = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--model", args.model, "--dtype", args.dtype, "--log-level", args.log_level, *engine_argv]
+    if args.served_model_name:
+        common += ["--served-model-name", args.served_model_name]
+    roles = [("both", args.num_nodes)] if args.colocated else [("prefill", args.num_prefill), ("decode", args.num_decode)]
+    num_nodes = sum(n for _, n in roles)
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_nodes)
+    procs = [("router", py + ["router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
+                              "--model", args.model, *(["--served-model-name", args.served_model_name]
+                                                       if args.served_model_name else []),
+                              *shlex.split(args.router_args)])]
+    for role, count in roles:
+        module = "decode_node" if role == "decode" else "prefill_node"
+        extra = shlex.split(args.decode_args if role == "decode" else args.prefill_args)
+        for i in range(count):
+            argv = py + [module, "--router", control, "--node-id", f"{role}-{i}", "--num-threads", str(threads),
+                         *common, *extra]
+            if role == "both":
+                argv += ["--role", "both"]
+            procs.append((f"{role}-{i}", argv))
+    return procs
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def stop_all(procs: list[tuple[str, subprocess.Popen]], timeout: float = 30.0) -> None:
+    """Nodes first (SIGTERM drains them), then the router; SIGKILL whatever outlives the timeout."""
+    for group in (procs[1:], procs[:1]):
+        for _, p in group:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for _, p in group:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, engine_argv = build_parser().parse_known_args(argv)
+    from engine.loader import resolve_model
+
+    resolve_model(args.model)  # fetch/convert once here, not in every node at the same time
+    procs: list[tuple[str, subprocess.Popen]] = []
+    stopping = [False]
+
+    def on_signal(signum, frame) -> None:
+        stopping[0] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name, cmd in plan(args, engine_argv):
+            procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
+        url = f"http://{args.host}:{args.port}"
+        if not wait_ready(url + "/health", [p for _, p in procs], args.ready_timeout):
+            print("pdserve serve: the stack did not become healthy; stopping", file=sys.stderr)
+            return 1
+        print(f"pdserve is ready: {url}/v1 (model {args.served_model_name or args.model}); Ctrl-C stops it",
+              flush=True)
+        while not stopping[0]:
+            dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
+            if dead:
+                print(f"pdserve serve: {dead} exited; stopping the stack", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stop_all(procs)

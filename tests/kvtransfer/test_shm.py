@@ -1,0 +1,86 @@
+import os
+import subprocess
+import sys
+
+import torch
+
+from kvtransfer.shm import (
+    PROBE_BYTES,
+    SHM_DIR,
+    SharedKVPool,
+    _pid_namespace,
+    cleanup_stale_segments,
+    open_peer_pool,
+)
+
+from .conftest import make_layout
+
+
+def _layout_for(pool: SharedKVPool, **kw):
+    return make_layout(block_size=8, num_blocks=4, dtype="bfloat16", shm_name=pool.name, **kw)
+
+
+def _create() -> SharedKVPool:
+    return SharedKVPool.create("test", (2, 2, 4, 8, 2, 16), torch.bfloat16)
+
+
+def test_create_map_and_close():
+    pool = _create()
+    try:
+        assert os.path.exists(pool.path) and str(os.getpid()) in pool.name
+        assert pool.tensor.shape == (2, 2, 4, 8, 2, 16) and not pool.tensor.any()
+        peer = open_peer_pool(_layout_for(pool), pool.probe_token)
+        assert peer is not None
+        pool.tensor[1, 0, 3, 7] = 2.5  # the peer sees the same memory
+        assert peer[1, 0, 3, 7].eq(2.5).all()
+    finally:
+        pool.close()
+    assert not os.path.exists(pool.path)
+    pool.close()  # idempotent
+    assert peer[1, 0, 3, 7].eq(2.5).all()  # an open mapping outlives the unlink
+
+
+def test_open_peer_pool_refuses_mismatches():
+    pool = _create()
+    try:
+        layout = _layout_for(pool)
+        other_token = os.urandom(PROBE_BYTES).hex()
+        assert open_peer_pool(layout, other_token) is None  # wrong probe
+        assert open_peer_pool(layout, "not hex") is None
+        assert open_peer_pool(_layout_for(pool, num_layers=3), pool.probe_token) is None  # wrong size
+        assert open_peer_pool(make_layout(shm_name="../../etc/passwd"), pool.probe_token) is None
+        assert open_peer_pool(make_layout(shm_name=pool.name + "0"), pool.probe_token) is None  # missing
+        assert open_peer_pool(make_layout(), pool.probe_token) is None  # no segment announced
+        assert not os.path.exists(os.path.join(SHM_DIR, pool.name + "0")), "probing must not create files"
+    finally:
+        pool.close()
+
+
+def test_fake_segment_with_the_right_name_and_size_is_rejected():
+    """A same-named file of the right size (another host, a stale copy) fails the probe."""
+    pool = _create()
+    token, size = pool.probe_token, os.path.getsize(pool.path)
+    pool.close()
+    with open(pool.path, "wb") as f:  # an impostor at the same path
+        f.write(os.urandom(size))
+    try:
+        assert open_peer_pool(_layout_for(pool), token) is None
+    finally:
+        os.unlink(pool.path)
+
+
+def test_cleanup_stale_segments():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = f"pdserve-test-{_pid_namespace()}-{child.pid}-abc123"
+    foreign_ns = f"pdserve-test-1-{child.pid}-abc124"  # another pid namespace: not ours to judge
+    for name in (stale, foreign_ns):
+        open(os.path.join(SHM_DIR, name), "wb").close()
+    live = _create()
+    try:
+        removed = cleanup_stale_segments()
+        assert stale in removed and live.name not in removed and foreign_ns not in removed
+        assert os.path.exists(live.path) and not os.path.exists(os.path.join(SHM_DIR, stale))
+    finally:
+        live.close()
+        os.unlink(os.path.join(SHM_DIR, foreign_ns))

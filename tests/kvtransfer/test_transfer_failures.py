@@ -1,0 +1,163 @@
+"""Every way a hand-off can end early (lease expiry, abort, release, a peer that never answers,
+misuse) still ends with the prefill node's blocks released exactly once."""
+
+import pytest
+import zmq
+
+from kvtransfer.messages import Handshake, HandshakeAck, KVDone, KVPull
+from kvtransfer.sockets import make_socket, recv_msg, send_msg
+
+from .conftest import FakeClock, kinds, make_layout, make_ready
+
+
+@pytest.mark.parametrize("shm", [False, True])
+def test_expiry_releases_once_and_a_late_pull_fails(make_pair, shm):
+    clock = FakeClock()
+    pair = make_pair(clock=clock, shm=shm)
+    pair.send("r1", [0, 1], 20, lease_s=10.0)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    clock.advance(10.5)
+    pair.sender.poll(0)
+    assert pair.sender.num_held == 0 and [rid for rid, _ in pair.errors] == ["r1"]
+    assert "expired" in pair.errors[0][1]
+    pair.receiver.pull("r1", [2, 3])  # even same-host: our lease estimate is past, so ask over ZMQ
+    events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
+    assert "no longer holds" in events[-1].error and pair.receiver.num_shm_copies == 0
+    for _ in range(20):  # the receiver's KVDone(ok=False) arrives: no second release
+        pair.sender.poll(1)
+    pair.released.assert_released_once(["r1"])
+
+
+def test_renewal_prevents_expiry(make_pair):
+    clock = FakeClock()
+    pair = make_pair(clock=clock, shm=True)
+    pair.send("r1", [4, 5], 20, lease_s=10.0)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    for _ in range(3):  # 24 s in all, well past the 10 s lease
+        clock.advance(8)
+        old = pair.sender.lease_deadline("r1")
+        pair.receiver.renew("r1")
+        pair.pump(lambda _, old=old: pair.sender.lease_deadline("r1") > old)
+    assert pair.sender.num_held == 1 and not pair.errors
+    pair.receiver.pull("r1", [0, 1])
+    assert kinds(pair.pump(lambda ev: "r1" in kinds(ev, "done")), "done") == ["r1"]
+    assert pair.receiver.num_shm_copies == 1  # renewed: the fast path is still safe
+    pair.pump(lambda _: pair.sender.num_held == 0)
+    pair.released.assert_released_once(["r1"])
+
+
+def test_abort_releases_once(make_pair):
+    pair = make_pair()
+    pair.send("r1", [0], 8)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    assert pair.sender.abort("r1") and not pair.sender.abort("r1")
+    pair.receiver.pull("r1", [1])
+    events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
+    assert "aborted" in events[-1].error
+    for _ in range(20):
+        pair.sender.poll(1)
+    assert not pair.errors  # an abort is not a hand-off failure to report
+    pair.released.assert_released_once(["r1"])
+
+
+def test_receiver_release_frees_the_senders_blocks(make_pair):
+    pair = make_pair()
+    pair.send("r1", [0], 8)
+    pair.send("r2", [1], 8)
+    pair.pump(lambda ev: len(kinds(ev, "ready")) == 2)
+    pair.receiver.release("r1", error="aborted")
+    pair.receiver.release("r1")  # twice: no-op
+    pair.pump(lambda _: pair.sender.num_held == 1)
+    assert pair.sender.held_request_ids == ["r2"]
+    pair.receiver.close()  # shutting down releases what it still announced
+    for _ in range(500):
+        if pair.sender.num_held == 0:
+            break
+        pair.sender.poll(5)
+    pair.released.assert_released_once(["r1", "r2"])
+
+
+@pytest.fixture
+def fake_prefill(closing):
+    """A raw DEALER playing a prefill node that never answers a pull."""
+    def connect(receiver):
+        sock = make_socket(zmq.DEALER, connect=receiver.kv_addr, identity=b"fake-prefill")
+        closing(type("Closer", (), {"close": lambda self: sock.close(0)})())
+        return sock
+    return connect
+
+
+def _recv(sock):
+    assert sock.poll(2000), "nothing arrived"
+    return recv_msg(sock)[1]
+
+
+def test_pull_that_never_answers_times_out(make_pair, fake_prefill):
+    clock = FakeClock()
+    pair = make_pair(clock=clock, pull_timeout_s=5.0)
+    prefill = fake_prefill(pair.receiver)
+    send_msg(prefill, Handshake("fake", make_layout()))
+    send_msg(prefill, make_ready("r1", [0], 8, 16))
+    events = []
+    while "r1" not in kinds(events, "ready"):
+        events += pair.receiver.poll(10)
+    assert _recv(prefill) == HandshakeAck("d0", ok=True, same_host=False)
+    pair.receiver.pull("r1", [3])
+    assert _recv(prefill) == KVPull("r1")
+    clock.advance(4)
+    assert not pair.receiver.poll(0)
+    clock.advance(2)
+    (event,) = pair.receiver.poll(0)
+    assert event.kind == "failed" and "no KV data" in event.error
+    done = _recv(prefill)
+    assert isinstance(done, KVDone) and not done.ok
+
+
+def test_kv_ready_before_handshake_is_refused(make_pair, fake_prefill):
+    pair = make_pair()
+    prefill = fake_prefill(pair.receiver)
+    send_msg(prefill, make_ready("r1", [0], 8, 16))
+    ack = _recv_after_polls(pair.receiver, prefill)
+    assert isinstance(ack, HandshakeAck) and not ack.ok
+
+
+def _recv_after_polls(receiver, sock):
+    for _ in range(200):
+        assert not receiver.poll(5)
+        if sock.poll(0):
+            return recv_msg(sock)[1]
+    raise AssertionError("no answer")
+
+
+def test_bad_kv_ready_fails_and_releases(make_pair):
+    pair = make_pair()
+    ready = make_ready("r1", [0], 8, 16)
+    ready.block_ids = [99]  # outside the sender's pool: the sender would refuse, so go around it
+    pair.sender._check_ready = lambda ready: None
+    pair.sender.send("d0", pair.receiver.kv_addr, ready)
+    events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
+    assert "out of the peer's range" in events[-1].error
+    pair.pump(lambda _: pair.sender.num_held == 0)
+    pair.released.assert_released_once(["r1"])
+
+
+def test_misuse_raises_without_taking_ownership(make_pair):
+    pair = make_pair()
+    with pytest.raises(ValueError, match="block_size"):
+        pair.sender.send("d0", pair.receiver.kv_addr, make_ready("r0", [0], 8, block_size=8))
+    with pytest.raises(ValueError, match="cannot hold"):
+        pair.sender.send("d0", pair.receiver.kv_addr, make_ready("r0", [0], 17, 16))
+    pair.send("r1", [0], 8)
+    with pytest.raises(ValueError, match="already"):
+        pair.send("r1", [1], 8)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    with pytest.raises(KeyError):
+        pair.receiver.pull("nope", [0])
+    with pytest.raises(ValueError, match="cannot hold"):
+        pair.receiver.pull("r1", [])
+    pair.receiver.pull("r1", [2])
+    with pytest.raises(ValueError, match="already"):
+        pair.receiver.pull("r1", [3])
+    pair.pump(lambda ev: "r1" in kinds(ev, "done"))
+    pair.pump(lambda _: pair.sender.num_held == 0)
+    pair.released.assert_released_once(["r1"])
