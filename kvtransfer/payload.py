@@ -80,18 +80,24 @@ def scatter_tokens(kv_buffer: torch.Tensor, block_ids: list[int], payload: torch
     flat.index_copy_(1, slots, src)
 
 
+COPY_CHUNK_TOKENS = 1024  # bounds copy_tokens' staging tensor (134 MB for an 8B model in bf16)
+_MAX_DIRECT_RUNS = 8
+
+
 def copy_tokens(src_buffer: torch.Tensor, src_block_ids: list[int], dst_buffer: torch.Tensor,
                 dst_block_ids: list[int], num_tokens: int) -> None:
-    """Copy a request's KV pool-to-pool (same host) with no intermediate tensor.
+    """Copy a request's KV pool-to-pool (same host, block sizes may differ).
 
-    The tokens are cut into runs that are contiguous in both pools (a run ends at a block boundary
-    of either side); each run is one strided copy covering all layers, K and V.
+    When the tokens form a few runs contiguous in both pools, each run is one strided copy and
+    nothing is staged. Otherwise it is index_select + index_copy_ in chunks of COPY_CHUNK_TOKENS:
+    every torch copy is a parallel region, and a hundred small ones cost a scheduler time slice
+    each when the cores are shared (measured: 1 s instead of 25 ms for 2048 tokens in 16-blocks).
     """
     if src_buffer.shape[:2] != dst_buffer.shape[:2] or src_buffer.shape[4:] != dst_buffer.shape[4:]:
         raise ValueError(f"pools {tuple(src_buffer.shape)} and {tuple(dst_buffer.shape)} are incompatible")
     if src_buffer.dtype != dst_buffer.dtype:
         raise ValueError(f"pool dtypes differ: {src_buffer.dtype} vs {dst_buffer.dtype}")
-    src, dst = _flat_slots(src_buffer), _flat_slots(dst_buffer)
+    src, dst = _flat_slots(src_buffer), _flat_slots(dst_buffer)  # [L*2, slots, H*D]
     _check_blocks(src_buffer, src_block_ids)
     _check_blocks(dst_buffer, dst_block_ids)
     src_slots = slot_ids(src_block_ids, src_buffer.shape[3], num_tokens)
@@ -99,11 +105,17 @@ def copy_tokens(src_buffer: torch.Tensor, src_block_ids: list[int], dst_buffer: 
     if num_tokens == 0:
         return
     breaks = ((src_slots.diff() != 1) | (dst_slots.diff() != 1)).nonzero().flatten() + 1
-    starts = [0, *breaks.tolist()]
-    ends = [*starts[1:], num_tokens]
-    src_starts, dst_starts = src_slots[starts].tolist(), dst_slots[starts].tolist()
-    for s, d, start, end in zip(src_starts, dst_starts, starts, ends, strict=True):
-        dst[:, d:d + end - start].copy_(src[:, s:s + end - start])
+    if len(breaks) < _MAX_DIRECT_RUNS:
+        starts = [0, *breaks.tolist()]
+        ends = [*starts[1:], num_tokens]
+        src_starts, dst_starts = src_slots[starts].tolist(), dst_slots[starts].tolist()
+        for s, d, start, end in zip(src_starts, dst_starts, starts, ends, strict=True):
+            dst[:, d:d + end - start].copy_(src[:, s:s + end - start])
+        return
+    for start in range(0, num_tokens, COPY_CHUNK_TOKENS):
+        chunk = slice(start, start + COPY_CHUNK_TOKENS)
+        staged = src.index_select(1, src_slots[chunk].to(src.device))
+        dst.index_copy_(1, dst_slots[chunk].to(dst.device), staged.to(dst.device))
 
 
 # ---- tensors <-> ZMQ frames ---------------------------------------------------------------

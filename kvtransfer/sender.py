@@ -94,7 +94,12 @@ class KVSender:
         """Hand a request's blocks to a decode node. From here on the blocks are ours until we call
         release(request_id). Raises ValueError (taking no ownership) for a malformed `ready`."""
         self._check_ready(ready)
-        peer = self._peer(decode_node_id, decode_kv_addr)
+        try:
+            peer = self._peer(decode_node_id, decode_kv_addr)
+        except zmq.ZMQError as e:  # a bad address from the router: the hand-off fails, we still own the blocks
+            self._release_cb(ready.request_id)
+            self._report(ready.request_id, f"cannot connect to decode node {decode_node_id} at {decode_kv_addr!r}: {e}")
+            return
         self._leases.hold(ready.request_id, ready.lease_s)
         self._requests[ready.request_id] = (peer, ready)
         peer.request_ids.add(ready.request_id)

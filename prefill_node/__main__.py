@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvtransfer.router_link import RouterLink, StatusServer, serve_node
     from prefill_node.node import PrefillNode, kv_layout, register_message
 
+    import torch
+
     stop = install_stop_handlers()
     node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
     name = served_name(args)
@@ -47,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def allocator(shape, dtype, device):
             nonlocal shm_pool
-            shm_pool = SharedKVPool.create(f"pdserve-{node_id}", shape, dtype)
+            try:
+                shm_pool = SharedKVPool.create(node_id, shape, dtype)
+            except OSError as e:  # /dev/shm too small (Docker's default is 64 MiB): a private pool
+                logger.warning("no shared-memory KV pool (%s); decode nodes will pull over ZMQ", e)
+                return torch.zeros(shape, dtype=dtype, device=device)
             return shm_pool.tensor
 
     engine = build_engine(args, kv_allocator=allocator)
@@ -58,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "prefill":
         from kvtransfer.sender import KVSender
 
-        extra = {"shm_name": shm_pool.name, "probe_token": shm_pool.probe_token} if shm_pool else {}
-        node.sender = KVSender(node_id, kv_layout(engine, name, **extra), engine.runner.kv_buffer, node._release,
+        node.sender = KVSender(node_id, kv_layout(engine, name), engine.runner.kv_buffer, node._release,
                                lease_s=args.lease_s, shm_pool=shm_pool)
         node.sender.on_error = node._handoff_failed
     logger.info("%s ready (status %s), registering with %s", node_id, status.url, args.router)

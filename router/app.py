@@ -92,7 +92,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     request_id = new_request_id(kind)
     fmt_cls = ChatFormat if kind == "chat" else CompletionFormat
     fmt = fmt_cls(request_id, router.served_model_name, include_usage=parsed.stream and parsed.include_usage,
-                  top_logprobs=parsed.top_logprobs)
+                  top_logprobs=parsed.top_logprobs, return_token_ids=parsed.return_token_ids)
     req = await router.submit(request_id, parsed)
     try:
         if parsed.stream:
@@ -143,7 +143,10 @@ async def _collect(request: web.Request, req: RouterRequest, fmt) -> web.Respons
         texts.append(delta.text)
         logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            return web.json_response(fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req)))
+            body = fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req))
+            if fmt.return_token_ids:
+                body["choices"][0]["token_ids"] = list(req.output_token_ids)
+            return web.json_response(body)
 
 
 async def _stream(request: web.Request, req: RouterRequest, fmt) -> web.StreamResponse:

@@ -70,6 +70,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     top_logprobs: int | None  # chat: top entries per token (None = no logprobs)
+    return_token_ids: bool = False  # vLLM's extension: the output token ids in each choice / chunk
 
 
 def parse_completion(body: Any, tokenizer, model_name: str, max_model_len: int | None) -> ParsedRequest:
@@ -79,7 +80,8 @@ def parse_completion(body: Any, tokenizer, model_name: str, max_model_len: int |
     max_tokens = _opt(body, "max_tokens", int, DEFAULT_COMPLETION_MAX_TOKENS)
     logprobs = _opt(body, "logprobs", int, None)
     sampling = _sampling(body, max_tokens, logprobs)
-    return ParsedRequest("completion", prompt_token_ids, sampling, *_stream(body), logprobs)
+    return ParsedRequest("completion", prompt_token_ids, sampling, *_stream(body), logprobs,
+                         _opt(body, "return_token_ids", bool, False))
 
 
 def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None) -> ParsedRequest:
@@ -96,7 +98,8 @@ def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None)
     elif body.get("top_logprobs") is not None:
         raise ProtocolError("top_logprobs needs logprobs set to true", param="top_logprobs")
     sampling = _sampling(body, max_tokens, top_logprobs)
-    return ParsedRequest("chat", prompt_token_ids, sampling, *_stream(body), top_logprobs)
+    return ParsedRequest("chat", prompt_token_ids, sampling, *_stream(body), top_logprobs,
+                         _opt(body, "return_token_ids", bool, False))
 
 
 # ---- pieces -------------------------------------------------------------------------------------

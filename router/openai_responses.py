@@ -28,7 +28,8 @@ class _Format:
     object_chunk = ""
 
     def __init__(self, request_id: str, model: str, *, include_usage: bool = False,
-                 top_logprobs: int | None = None) -> None:
+                 top_logprobs: int | None = None, return_token_ids: bool = False) -> None:
+        self.return_token_ids = return_token_ids
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
         self.top_logprobs = top_logprobs  # None: logprobs were not asked for
@@ -37,9 +38,14 @@ class _Format:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def _chunk(self, choice: dict) -> dict:
+    def _chunk(self, choice: dict, token_ids: list[int] | None = None) -> dict:
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope(self.object_chunk, [choice], **extra)
+
+    def _has_ids(self, delta: Delta) -> bool:
+        return self.return_token_ids and bool(delta.token_ids)
 
     def usage_chunk(self, usage_: dict) -> dict:
         return self._envelope(self.object_chunk, [], usage=usage_)
@@ -54,10 +60,10 @@ class CompletionFormat(_Format):
         return self._envelope(self.object_full, [choice], usage=usage_)
 
     def chunks(self, delta: Delta, first: bool) -> list[dict]:
-        if not (delta.text or delta.logprobs or delta.finish_reason):
+        if not (delta.text or delta.logprobs or delta.finish_reason or self._has_ids(delta)):
             return []
         return [self._chunk({"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs),
-                             "finish_reason": delta.finish_reason})]
+                             "finish_reason": delta.finish_reason}, delta.token_ids)]
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.top_logprobs is None:
@@ -80,10 +86,10 @@ class ChatFormat(_Format):
         if first:  # OpenAI's first chunk carries the role alone
             out.append(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}))
-        if delta.text or delta.logprobs or delta.finish_reason:
+        if delta.text or delta.logprobs or delta.finish_reason or self._has_ids(delta):
             body = {"content": delta.text} if delta.text else {}
             out.append(self._chunk({"index": 0, "delta": body, "logprobs": self._logprobs(delta.logprobs),
-                                    "finish_reason": delta.finish_reason}))
+                                    "finish_reason": delta.finish_reason}, delta.token_ids))
         return out
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:

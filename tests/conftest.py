@@ -80,6 +80,12 @@ def save_tiny_model(path, arch: str = "llama", **overrides):
     return model
 
 
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
 def save_tiny_tokenizer(path):
     """A byte-level tokenizer matching the tiny models: ids 0..255 are bytes (so multi-byte
     characters span tokens), 256/257/258 are <s>, </s>, <pad>."""
@@ -91,6 +97,7 @@ def save_tiny_tokenizer(path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(path)
     return fast
 

@@ -71,10 +71,10 @@ def main() -> None:
     pool = torch.randn(30, 2, 256, 16, 3, 64).to(torch.bfloat16)
     dst = torch.zeros_like(pool)
     ids = list(range(127, -1, -1))
+    payload = gather_tokens(pool, ids, args.tokens)
     for name, fn in (("gather", lambda: gather_tokens(pool, ids, args.tokens)),
-                     ("scatter", lambda: scatter_tokens(dst, ids, gather_payload)),
+                     ("scatter", lambda: scatter_tokens(dst, ids, payload)),
                      ("copy_tokens", lambda: copy_tokens(pool, ids, dst, ids, args.tokens))):
-        gather_payload = gather_tokens(pool, ids, args.tokens)
         fn()
         t0 = time.perf_counter()
         for _ in range(args.reps):

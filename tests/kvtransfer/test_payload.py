@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from kvtransfer import payload
 from kvtransfer.payload import copy_tokens, frame_to_tensor, gather_tokens, scatter_tokens, tensor_to_frame
 
 from .conftest import DTYPE_NAMES, make_layout, make_pool, reference_tokens, same_bytes
@@ -80,3 +81,17 @@ def test_frame_to_tensor_rejects_mismatch():
         frame_to_tensor(b"\x00" * 8, "int8", [8])
     with pytest.raises(ValueError, match="shape"):
         frame_to_tensor(b"\x00" * 8, "float32", [-2])
+
+
+@pytest.mark.parametrize("chunk", [1024, 5])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_copy_tokens_paths(monkeypatch, chunk, contiguous):
+    """Few runs: direct strided copies; many runs: staged in chunks. Same bytes either way."""
+    monkeypatch.setattr(payload, "COPY_CHUNK_TOKENS", chunk)
+    src = make_pool(make_layout(block_size=4, num_blocks=16, dtype="bfloat16"))
+    dst = make_pool(make_layout(block_size=8, num_blocks=16, dtype="bfloat16"), seed=None)
+    src_ids = list(range(3, 13)) if contiguous else list(range(12, 2, -1))
+    dst_ids = [6, 7, 8, 9, 10]
+    copy_tokens(src, src_ids, dst, dst_ids, 38)
+    assert same_bytes(gather_tokens(dst, dst_ids, 38), reference_tokens(src, src_ids, 38))
+    assert not dst[:, :, :6].any() and not dst[:, :, 11:].any()

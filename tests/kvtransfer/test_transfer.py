@@ -5,6 +5,7 @@ import os
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from kvtransfer.messages import Handshake, HandshakeAck, KVData, KVReady
@@ -140,3 +141,23 @@ def test_sender_close_releases_everything(make_pair):
     pair.sender.close()
     assert pair.sender.num_held == 0
     pair.released.assert_released_once(["r0", "r1", "r2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC is not built; this checks ZMQ between GPU pools)")
+def test_zmq_transfer_between_cuda_pools(closing):
+    src_layout, dst_layout = make_layout(block_size=16, dtype="bfloat16"), make_layout(block_size=8, dtype="bfloat16")
+    src = make_pool(src_layout).cuda()
+    released = ReleaseLog()
+    sender = KVSender("p0", src_layout, src, released)
+    receiver = KVReceiver("d0", dst_layout, make_pool(dst_layout, seed=None).cuda())
+    closing(receiver)
+    closing(sender)
+    sender.send("d0", receiver.kv_addr, make_ready("r1", [7, 2, 11], 40, 16))
+    pump(sender, receiver, lambda ev: "r1" in kinds(ev, "ready"))
+    receiver.pull("r1", [9, 0, 4, 13, 6])
+    pump(sender, receiver, lambda ev: "r1" in kinds(ev, "done"))
+    got = gather_tokens(receiver.kv_buffer, [9, 0, 4, 13, 6], 40).cpu()
+    assert same_bytes(got, gather_tokens(src, [7, 2, 11], 40).cpu())
+    pump(sender, receiver, lambda _: sender.num_held == 0)
+    released.assert_released_once(["r1"])

@@ -161,3 +161,10 @@ def test_misuse_raises_without_taking_ownership(make_pair):
     pair.pump(lambda ev: "r1" in kinds(ev, "done"))
     pair.pump(lambda _: pair.sender.num_held == 0)
     pair.released.assert_released_once(["r1"])
+
+
+def test_bad_decode_address_fails_and_releases(make_pair):
+    pair = make_pair()
+    pair.sender.send("d9", "not-an-endpoint", make_ready("r1", [0], 8, 16))
+    assert pair.sender.num_held == 0 and pair.errors[0][0] == "r1" and "cannot connect" in pair.errors[0][1]
+    pair.released.assert_released_once(["r1"])
