@@ -137,7 +137,7 @@ def test_first_token_arrives_before_the_kv_transfer_ends(model_dir):
     # the first token must reach the client in the meantime.
     s = Stack(str(model_dir[0]), decode_args="--kv-pull-delay-s 1.5")
     try:
-        ids, events = streamed_ids(s, "/v1/completions", {"prompt": list(range(3, 100)), "max_tokens": 4,
+        ids, events = streamed_ids(s, "/v1/completions", {"prompt": list(range(3, 100)), "max_tokens": 4, "ignore_eos": True,
                                                           "temperature": 0})
         first_token_at = next(t for t, e in events if e["choices"] and e["choices"][0].get("token_ids"))
         request_id = events[0][1]["id"]
