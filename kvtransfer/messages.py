@@ -263,7 +263,8 @@ def decode(data: bytes | memoryview) -> Message:
 def _from_wire(obj: Any) -> Message:
     if not isinstance(obj, dict):
         raise MessageError("a message must be a map")
-    cls = MESSAGE_TYPES.get(obj.get("type"))
+    type_name = obj.get("type")
+    cls = MESSAGE_TYPES.get(type_name) if isinstance(type_name, str) else None
     if cls is None:
         raise MessageError(f"unknown message type {obj.get('type')!r}")
     if obj.get("version") != PROTOCOL_VERSION:
@@ -296,11 +297,7 @@ def _check(type_name: str, name: str, value: Any, hint: Any) -> Any:
             raise MessageError(f"{type_name}.{name}: expected a list, got {type(value).__name__}")
         return [_check(type_name, name, v, args[0]) for v in value]
     expected = {float: (int, float), int: int, str: str, bool: bool, dict: dict}[origin or hint]
-    if not isinstance(value, expected) or (hint is int and isinstance(value, bool)):
+    if not isinstance(value, expected) or (hint in (int, float) and isinstance(value, bool)):
         raise MessageError(f"{type_name}.{name}: expected {getattr(hint, '__name__', hint)}, "
                            f"got {type(value).__name__}")
-    if hint is float:
-        return float(value)
-    if hint is dict:  # logprob maps arrive with int keys; sampling dicts with str keys: both fine
-        return value
-    return value
+    return float(value) if hint is float else value

@@ -1,0 +1,92 @@
+"""Every wire message round-trips through msgpack; anything malformed is refused with
+MessageError (never another exception), before or after parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtransfer import messages as m
+
+LAYOUT = m.KVLayout(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
+                    num_blocks=64, shm_name="pdserve-x", probe_token="ab12")
+TOKEN = m.Token(request_id="r1", index=3, token_id=42, logprobs={42: -0.1, 7: -2.5}, finish_reason=None)
+EXAMPLES = [
+    m.Register(node_id="p0", role="prefill", model="tiny", kv_addr="", metrics_url="http://127.0.0.1:1",
+               num_total_blocks=64, block_size=16, max_model_len=1024, host_id="h", pid=7),
+    m.Heartbeat(node_id="d0", num_free_blocks=10, num_total_blocks=64, num_running=2, num_waiting=1,
+                num_outstanding_tokens=300, ready=True, request_ids=["a", "b"]),
+    m.Deregister(node_id="p0"),
+    m.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 5, "stop": ["x"]},
+                     decode_node_id="d0", decode_kv_addr="tcp://127.0.0.1:5", priority=1, arrival_time=1.5),
+    m.FirstToken(request_id="r1", token_id=9, logprobs={9: -0.5}, finish_reason="length", num_prompt_tokens=3,
+                 num_cached_tokens=0, queued_s=0.1, prefill_s=0.2),
+    TOKEN,
+    m.TokenBatch(node_id="d0", tokens=[TOKEN, dataclasses.replace(TOKEN, index=4, finish_reason="stop")]),
+    m.Abort(request_id="r1", reason="client gone"),
+    m.Error(request_id="r1", node_id="d0", message="boom", retryable=True),
+    LAYOUT,
+    m.Handshake(node_id="p0", layout=LAYOUT),
+    m.HandshakeAck(node_id="d0", ok=False, error="dtype differs", same_host=False),
+    m.KVReady(request_id="r1", prompt_token_ids=[1, 2, 3], first_token=9, first_logprobs=None,
+              sampling={"max_tokens": 5}, num_tokens=3, block_ids=[4], block_size=16, lease_s=30.0, priority=0),
+    m.KVPull(request_id="r1"),
+    m.KVData(request_id="r1", ok=True, dtype="bfloat16", shape=[2, 2, 3, 2, 16]),
+    m.LeaseRenew(request_id="r1"),
+    m.KVDone(request_id="r1", ok=True),
+]
+
+
+def test_every_message_type_has_an_example():
+    assert {type(e).TYPE for e in EXAMPLES} == set(m.MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda e: type(e).TYPE)
+def test_round_trip(msg):
+    assert m.decode(msg.encode()) == msg
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.pop("request_id"), "missing field"),
+    (lambda d: d.update(version=99), "protocol version"),
+    (lambda d: d.update(type="nope"), "unknown message type"),
+    (lambda d: d.update(first_token="nine"), "expected int"),
+    (lambda d: d.update(block_ids=[1, "x"]), "expected int"),
+    (lambda d: d.update(block_ids=5), "expected a list"),
+    (lambda d: d.update(extra=1), "unknown field"),
+    (lambda d: d.update(lease_s=True), "expected float"),
+])
+def test_malformed_fields_are_refused(mutate, match):
+    wire = msgpack.unpackb(EXAMPLES[12].encode(), strict_map_key=False)
+    mutate(wire)
+    with pytest.raises(m.MessageError, match=match):
+        m.decode(msgpack.packb(wire))
+
+
+def test_oversized_messages_are_refused_before_parsing():
+    with pytest.raises(m.MessageError, match="exceeds"):
+        m.decode(b"\x00" * (m.MAX_MESSAGE_BYTES + 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_garbage_never_raises_anything_but_message_error(data):
+    try:
+        m.decode(data)
+    except m.MessageError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["type", "version", "request_id", "tokens", "node_id", "layout"]),
+                       st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=5), st.lists(st.integers(-(2**31), 2**31), max_size=3),
+                                 st.sampled_from(list(m.MESSAGE_TYPES)), st.just(1)), max_size=6))
+def test_structured_garbage_never_raises_anything_but_message_error(obj):
+    try:
+        m.decode(msgpack.packb(obj))
+    except m.MessageError:
+        pass
