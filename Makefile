@@ -20,9 +20,13 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# Fetch the default model (once, cached) and chat with it offline.
-# (The disaggregated router + prefill + decode stack replaces this in a later issue.)
+# Fetch the default model (once, cached), start router + 1 prefill + 1 decode node on
+# http://127.0.0.1:8000, ask it one demo question, and keep serving until Ctrl-C.
 serve: $(STAMP)
+	$(VENV)/bin/pdserve serve --model smollm2 --demo $(ARGS)
+
+# Offline chat with the default model, no server.
+chat: $(STAMP)
 	$(VENV)/bin/pdserve chat --model smollm2 $(ARGS)
 
 test: $(STAMP)

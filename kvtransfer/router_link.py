@@ -14,7 +14,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
-from kvtransfer.messages import MAX_MESSAGE_BYTES, Deregister, Heartbeat, Message, MessageError, Register, decode
+from kvtransfer.messages import (
+    MAX_MESSAGE_BYTES,
+    Deregister,
+    Heartbeat,
+    Message,
+    MessageError,
+    Register,
+    decode,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
     from engine.cli import build_engine, install_stop_handlers, served_name
     from kvtransfer.router_link import RouterLink, StatusServer, serve_node
     from prefill_node.node import PrefillNode, kv_layout, register_message
-
-    import torch
 
     stop = install_stop_handlers()
     node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"

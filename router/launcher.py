@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-args", default="", help="extra flags for decode nodes")
     p.add_argument("--router-args", default="", help="extra flags for the router")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--demo", action="store_true", help="once ready, ask the model one chat question and print it")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -97,6 +98,27 @@ def stop_all(procs: list[tuple[str, subprocess.Popen]], timeout: float = 30.0) -
                 p.wait()
 
 
+DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def demo_chat(url: str) -> None:
+    """One chat request through the stack, printed the way a user would see it."""
+    import json
+
+    body = {"messages": [{"role": "user", "content": DEMO_QUESTION}], "max_tokens": 64, "temperature": 0}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            answer = json.loads(r.read())["choices"][0]["message"]["content"]
+    except OSError as e:
+        print(f"demo request failed: {e}", file=sys.stderr)
+        return
+    print(f"user> {DEMO_QUESTION}\nassistant> {answer.strip()}\n", flush=True)
+    print(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, engine_argv = build_parser().parse_known_args(argv)
     from engine.loader import resolve_model
@@ -119,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"pdserve is ready: {url}/v1 (model {args.served_model_name or args.model}); Ctrl-C stops it",
               flush=True)
+        if args.demo:
+            demo_chat(url)
         while not stopping[0]:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
             if dead:

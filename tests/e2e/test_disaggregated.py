@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
     return path, model, tokenizer
 
 
-def hf_greedy(model, prompt_ids, max_tokens=MAX_TOKENS, eos=257):
+def hf_greedy(model, prompt_ids, max_tokens=MAX_TOKENS):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              do_sample=False, max_new_tokens=max_tokens, pad_token_id=258)
@@ -190,6 +190,60 @@ def test_colocated_mode_equals_transformers(model_dir):
     try:
         for p in prompts(3, seed=3):
             assert completion(s, p)["choices"][0]["token_ids"] == hf_greedy(model, p)
+        assert_idle(s)
+    finally:
+        s.close()
+
+
+def test_garbage_to_node_sockets_is_dropped(stack, model_dir):
+    import zmq
+
+    _, model, _ = model_dir
+    ctx = zmq.Context.instance()
+    decode = next(n for n in stack.nodes() if n["role"] == "decode")
+    for junk in (b"", b"\x00" * 100, b"\x93\x01\x02\x03", b'{"type": "kv_ready"}'):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(decode["kv_addr"])
+        sock.send_multipart([junk, b"more"])
+        sock.send(junk)
+        time.sleep(0.05)
+        sock.close()
+    p = prompts(1, seed=11)[0]
+    assert completion(stack, p)["choices"][0]["token_ids"] == hf_greedy(model, p)
+    assert_idle(stack)
+
+
+@pytest.mark.slow
+def test_default_model_over_http_equals_transformers():
+    """The default model, text prompts and chat, streamed and not: greedy float32 outputs equal
+    transformers' generate token for token."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.loader import resolve_model
+
+    path = resolve_model("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    s = Stack("smollm2", timeout=600)
+    try:
+        for text in ("The capital of France is", "def fibonacci(n):"):
+            want = hf_greedy(model, tok.encode(text), max_tokens=24)
+            body = completion(s, text, max_tokens=24)
+            assert body["choices"][0]["token_ids"] == want
+            assert body["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+            ids, _ = streamed_ids(s, "/v1/completions", {"prompt": text, "max_tokens": 24, "temperature": 0})
+            assert ids == want
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+        want = hf_greedy(model, chat_ids, max_tokens=32)
+        status, body = s.post("/v1/chat/completions", {"messages": messages, "max_tokens": 32, "temperature": 0,
+                                                       "return_token_ids": True})
+        assert status == 200 and body["choices"][0]["token_ids"] == want
+        assert "Paris" in body["choices"][0]["message"]["content"]
+        ids, _ = streamed_ids(s, "/v1/chat/completions", {"messages": messages, "max_tokens": 32, "temperature": 0})
+        assert ids == want
         assert_idle(s)
     finally:
         s.close()
