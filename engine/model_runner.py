@@ -13,10 +13,11 @@ import logging
 import torch
 
 from engine.attention_metadata import AttentionMetadata
-from engine.config import EngineConfig
+from engine.config import EngineConfig, cpu_has_native_bf16
 from engine.loader import iter_safetensors
 from engine.model_config import ModelConfig
 from engine.models import LlamaForCausalLM
+from engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from engine.sampler import Sampler, SamplingInput
 from engine.scheduler import SchedulerOutput
 
@@ -52,6 +53,9 @@ class ModelRunner:
         model.load_weights(iter_safetensors(self.config.model_path))
         model.to(self.dtype)
         model.rotary.float()  # RoPE tables stay float32, as in transformers
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
+            num = use_fp32_gemms_for_bf16(model)
+            logger.info("no native bf16 on this CPU: %d bf16 linear layers run as fp32 GEMMs on bf16 values", num)
         return model.eval()
 
     # ---- one step -------------------------------------------------------------------------

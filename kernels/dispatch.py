@@ -17,8 +17,17 @@ from kernels import reference
 
 BACKENDS = ("torch", "triton")
 
+try:  # Triton ships for Linux only; without it the torch backend is the only one.
+    from kernels import triton_attention, triton_cache
+except ImportError:  # pragma: no cover
+    triton_attention = triton_cache = None
+
+# "triton" on a CPU tensor runs Triton's interpreter when TRITON_INTERPRET=1 and raises otherwise.
 _STORE_KV: dict[str, Callable[..., None]] = {"torch": reference.store_kv}
 _PAGED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"torch": reference.paged_attention}
+if triton_attention is not None:
+    _STORE_KV["triton"] = triton_cache.store_kv
+    _PAGED_ATTENTION["triton"] = triton_attention.paged_attention
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:

@@ -1,0 +1,40 @@
+"""bfloat16 linear layers on CPUs without native bf16 matmuls (no AVX512-BF16 / AMX).
+
+There, torch's bf16 GEMM falls back to a slow path (about 10x slower than fp32 on an AVX2
+machine), while a native bf16 GEMM — oneDNN with AVX512-BF16, or a GPU's tensor cores —
+multiplies bf16 inputs exactly and accumulates in fp32. This layer does the same math with an
+fp32 GEMM: the weights are bf16 values held in fp32 (products of bf16 values are exact in fp32),
+the activations are bf16 values widened to fp32, the sum accumulates in fp32, and the output is
+rounded back to bf16. Activations, norms, attention and the KV cache stay bf16; only the weights
+take twice the memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Bf16ViaFp32Linear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        # bf16-rounded values in fp32 containers: the GEMM sees exactly the bf16 weights.
+        self.register_buffer("weight32", linear.weight.detach().to(torch.bfloat16).float(), persistent=False)
+        bias = linear.bias
+        self.register_buffer("bias32", None if bias is None else bias.detach().to(torch.bfloat16).float(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
+
+
+def use_fp32_gemms_for_bf16(model: nn.Module) -> int:
+    """Swap every nn.Linear of a bf16 CPU model for Bf16ViaFp32Linear; returns how many."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, Bf16ViaFp32Linear(child))
+                swapped += 1
+    return swapped
