@@ -11,18 +11,12 @@ logger = logging.getLogger("decode_node")
 
 
 def build_parser(prog: str = "pdserve decode") -> argparse.ArgumentParser:
-    from engine.cli import add_engine_args
+    from engine.cli import add_node_args
 
     p = argparse.ArgumentParser(prog=prog, description="a pdserve decode node")
-    p.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--node-id", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1", help="interface for the KV and status endpoints")
-    p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over")
-    p.add_argument("--status-port", type=int, default=0)
+    p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over (0 = free)")
     p.add_argument("--kv-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow network
-    p.add_argument("--log-level", default="INFO")
-    add_engine_args(p)
+    add_node_args(p)
     return p
 
 

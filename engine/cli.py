@@ -30,6 +30,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def add_node_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every serving node takes, whatever its role."""
+    parser.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--node-id", default=None, help="default: ROLE-<random>")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default="127.0.0.1", help="interface for this node's endpoints (KV, status)")
+    parser.add_argument("--status-port", type=int, default=0, help="GET /status (0 = a free port)")
+    parser.add_argument("--log-level", default="INFO")
+    add_engine_args(parser)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",

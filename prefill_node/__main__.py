@@ -12,19 +12,14 @@ logger = logging.getLogger("prefill_node")
 
 
 def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
-    from engine.cli import add_engine_args
+    from engine.cli import add_node_args
 
     p = argparse.ArgumentParser(prog=prog, description="a pdserve prefill node")
-    p.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
-    p.add_argument("--role", default="prefill", choices=["prefill", "both"])
-    p.add_argument("--node-id", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1", help="interface for the status endpoint")
-    p.add_argument("--status-port", type=int, default=0)
+    p.add_argument("--role", default="prefill", choices=["prefill", "both"],
+                   help="'both': prefill and decode its own requests (the colocated mode)")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long handed-off KV stays pinned")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory KV path")
-    p.add_argument("--log-level", default="INFO")
-    add_engine_args(p)
+    add_node_args(p)
     return p
 
 

@@ -32,7 +32,7 @@ class Bf16ViaFp32Linear(nn.Module):
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:
     """Swap every nn.Linear of a bf16 CPU model for Bf16ViaFp32Linear; returns how many."""
     swapped = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, Bf16ViaFp32Linear(child))
