@@ -113,7 +113,8 @@ class DecodeNode:
         pull_before = time.time() - self.kv_pull_delay_s
         for rid, request in list(self.waiting_for_kv.items()):
             room = len(sched.running) + len(self.receiving) < self.engine.config.max_num_seqs
-            if not room or not bm.can_allocate(rid, request.num_prompt_tokens, reserve=True):
+            reserve = bool(sched.running or self.receiving)  # as the scheduler: no watermark on an empty pool
+            if not room or not bm.can_allocate(rid, request.num_prompt_tokens, reserve=reserve):
                 self._renew_waiting()
                 return
             if request.timings["kv_ready_received"] > pull_before:

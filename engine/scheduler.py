@@ -203,7 +203,9 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not bm.can_allocate(request.request_id, num_computed + num_new, computed, reserve=True):
+            # The watermark keeps room for running requests to grow; with none running it would
+            # only stop a request that fits the pool alone from ever starting.
+            if not bm.can_allocate(request.request_id, num_computed + num_new, computed, reserve=bool(self.running)):
                 break
             self.waiting.pop(0)
             bm.allocate(request.request_id, num_computed + num_new, computed)

@@ -236,3 +236,16 @@ def test_random_workloads_finish_every_request_and_leak_nothing(specs, max_seqs_
         assert step < 2000, "no progress"
     assert all(r.is_finished for r in reqs)
     assert_no_leak(sched.block_manager)
+
+
+def test_the_watermark_never_blocks_a_lone_request():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    bm = BlockManager(10, 4, watermark=0.3)  # 3 blocks held back for growth
+    sched = Scheduler(SchedulerConfig(max_model_len=40, max_num_batched_tokens=64), bm)
+    req = make_request(num_tokens=36, max_tokens=2)  # needs 9 of 10 blocks, more than 10 - 3
+    sched.add_request(req)
+    run_to_completion(sched)
+    assert req.finish_reason == "length"
+    assert_no_leak(bm)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import paged_attention, reference, store_kv, triton_attention
 from kernels.triton_cache import copy_tokens_triton, gather_tokens_triton, scatter_tokens_triton
@@ -112,16 +113,13 @@ def test_split_decode_long_context(device, force_split, block_size):
     assert_triton_matches_naive(batch, device)
 
 
-def test_default_split_plan_fills_the_gpu_only_for_long_contexts():
+def test_default_split_plan_fills_the_gpu_only_for_long_contexts(monkeypatch):
+    monkeypatch.setattr(triton_attention, "_TARGET_PROGRAMS", 4 * 132)  # an H200's 132 SMs, 4 waves
     cuda = torch.device("cuda")
-    triton_attention._TARGET_PROGRAMS, saved = 528, triton_attention._TARGET_PROGRAMS
-    try:
-        assert triton_attention.plan_splits(1, 8, 8192, 64, cuda) == (32, 256)  # 66 wanted, 32 by length
-        assert triton_attention.plan_splits(1, 8, 200, 64, cuda) == (1, 256)  # too short to split
-        assert triton_attention.plan_splits(256, 8, 8192, 64, cuda) == (1, 8192)  # batch fills the GPU
-        assert triton_attention.plan_splits(4, 8, 1000, 64, cuda)[0] == 4
-    finally:
-        triton_attention._TARGET_PROGRAMS = saved
+    assert triton_attention.plan_splits(1, 8, 8192, 64, cuda) == (32, 256)  # 66 wanted, 32 by length
+    assert triton_attention.plan_splits(1, 8, 200, 64, cuda) == (1, 256)  # too short to split
+    assert triton_attention.plan_splits(256, 8, 8192, 64, cuda) == (1, 8192)  # the batch fills the GPU
+    assert triton_attention.plan_splits(4, 8, 1000, 64, cuda) == (4, 256)
 
 
 def test_prefill_without_cache(device):
@@ -193,6 +191,8 @@ def test_rejects_what_the_kernel_cannot_address(device):
         paged_attention(*odd.args(), backend="triton")
 
 
+@pytest.mark.skipif(isinstance(triton_attention._paged_attention_kernel, InterpretedFunction),
+                    reason="TRITON_INTERPRET=1 was set when the kernels were imported")
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     batch = make_batch([2, 1], [5, 9])
