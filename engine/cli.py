@@ -19,7 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="CPU KV pool size")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of the device to use")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -42,7 +43,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
+    names = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",
+             "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
              "swap_space_gb", "num_threads", "seed")
     return {n: getattr(args, n) for n in names}

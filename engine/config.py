@@ -20,7 +20,8 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float = 2.0  # CPU: the pool's size when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device the engine may use, KV included
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the pool
@@ -42,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.num_threads is not None and self.num_threads < 1:

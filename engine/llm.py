@@ -27,6 +27,7 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float = 2.0,
+        gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -42,7 +43,8 @@ class LLM:
         model_path = resolve_model(model)
         config = EngineConfig(
             model_path=model_path, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
+            kv_cache_memory_gb=kv_cache_memory_gb, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             swap_space_gb=swap_space_gb, num_threads=num_threads, seed=seed,

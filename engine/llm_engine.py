@@ -52,8 +52,11 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.runner = ModelRunner(config, self.model_config, self._model_len_limit())
         num_blocks, num_host_blocks = self._size_pools()
-        config.max_model_len = self._max_model_len(num_blocks)
+        # A lone request must always fit the pool, or preemption could never make room for it.
+        config.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
+        self.runner.allocate_kv(num_blocks, num_host_blocks, kv_allocator)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
@@ -65,28 +68,32 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager, self.model_config.eos_token_ids)
-        self.runner = ModelRunner(config, self.model_config, num_blocks, num_host_blocks, kv_allocator)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         logger.info("engine ready: %d KV blocks of %d tokens, %d host blocks, dtype %s, max_model_len %d",
                     num_blocks, config.block_size, num_host_blocks, config.torch_dtype, config.max_model_len)
 
     def _size_pools(self) -> tuple[int, int]:
+        """(device KV blocks, host swap blocks): as asked, else from the memory settings."""
         cfg = self.config
         bytes_per_block = (self.model_config.kv_elements_per_token * cfg.block_size
                            * torch.tensor([], dtype=cfg.torch_dtype).element_size())
-        num_blocks = cfg.num_kv_blocks or max(1, int(cfg.kv_cache_memory_gb * _GIB // bytes_per_block))
+        num_blocks = cfg.num_kv_blocks
+        if num_blocks is None and cfg.device.startswith("cuda"):
+            num_blocks = self.runner.profile_num_kv_blocks(bytes_per_block, cfg.gpu_memory_utilization)
+        elif num_blocks is None:
+            num_blocks = max(1, int(cfg.kv_cache_memory_gb * _GIB // bytes_per_block))
         return num_blocks, int(cfg.swap_space_gb * _GIB // bytes_per_block)
 
-    def _max_model_len(self, num_blocks: int) -> int:
+    def _model_len_limit(self) -> int:
+        """The longest sequence this model serves here (before the pool size caps it)."""
         mc, cfg = self.model_config, self.config
         limit = mc.max_position_embeddings
         if mc.sliding_window:
             limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside the window
         if cfg.max_model_len is not None and cfg.max_model_len > limit:
             raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's limit of {limit} tokens")
-        # A lone request must always fit the pool, or preemption could never make room for it.
-        return min(cfg.max_model_len or limit, num_blocks * cfg.block_size)
+        return cfg.max_model_len or limit
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,

@@ -25,31 +25,70 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_kv_blocks: int, num_host_blocks: int,
-                 kv_allocator=None):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        self.max_model_len = max_model_len  # sizes the RoPE tables
         self.model = self._load_model()
-        shape = (model_config.num_layers, 2, num_kv_blocks, self.block_size, model_config.num_kv_heads,
-                 model_config.head_dim)
-        allocate = kv_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
-        self.kv_buffer = allocate(shape, self.dtype, self.device)
-        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(model_config.num_layers)]
-        host_shape = (model_config.num_layers, 2, num_host_blocks, *shape[3:])
-        self.host_buffer = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None
         self.sampler = Sampler(seed=config.seed)
+        self.kv_buffer: torch.Tensor | None = None
+        self.host_buffer: torch.Tensor | None = None
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        mc = self.model_config
+        return (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+
+    def allocate_kv(self, num_blocks: int, num_host_blocks: int, kv_allocator=None) -> None:
+        """The node's KV pool (one buffer, per-layer views) and the host swap buffer."""
+        allocate = kv_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_buffer = allocate(self.kv_shape(num_blocks), self.dtype, self.device)
+        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(self.model_config.num_layers)]
+        if num_host_blocks:
+            self.host_buffer = torch.zeros(self.kv_shape(num_host_blocks), dtype=self.dtype, device="cpu")
+
+    @torch.inference_mode()
+    def profile_num_kv_blocks(self, bytes_per_block: int, gpu_memory_utilization: float) -> int:
+        """CUDA: run one forward at the full token budget with a scratch pool, then give the KV
+        pool what is left of `gpu_memory_utilization` of the device after the peak it reached."""
+        num_tokens = self.config.max_num_batched_tokens
+        scratch_blocks = -(-num_tokens // self.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = torch.zeros(self.kv_shape(scratch_blocks), dtype=self.dtype, device=self.device)
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.model_config.num_layers)]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(scratch_blocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int32, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(num_tokens, device=dev), meta, caches)
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
+        del scratch, caches, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(dev).total_memory
+        budget = total * gpu_memory_utilization - peak
+        if budget < bytes_per_block:
+            raise ValueError(f"no room for a KV cache: the model peaks at {peak / 2**30:.1f} GiB of "
+                             f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization ({gpu_memory_utilization})")
+        return int(budget // bytes_per_block)
 
     def _load_model(self) -> LlamaForCausalLM:
         torch.manual_seed(self.config.seed)
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.model_config, self.config.max_model_len)
+            model = LlamaForCausalLM(self.model_config, self.max_model_len)
         model = model.to_empty(device=self.device)
         if self.model_config.tie_word_embeddings:  # to_empty gives each name its own storage
             model.lm_head.weight = model.embed_tokens.weight
-        model.rotary = model.rotary.__class__(self.model_config, self.config.max_model_len).to(self.device)
+        model.rotary = model.rotary.__class__(self.model_config, self.max_model_len).to(self.device)
         model.load_weights(iter_safetensors(self.config.model_path))
         model.to(self.dtype)
         model.rotary.float()  # RoPE tables stay float32, as in transformers

@@ -15,6 +15,7 @@ The result is one `SchedulerOutput`, the only thing the model runner sees. After
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -208,6 +209,7 @@ class Scheduler:
             if not bm.can_allocate(request.request_id, num_computed + num_new, computed, reserve=bool(self.running)):
                 break
             self.waiting.pop(0)
+            request.timings.setdefault("scheduled", time.time())  # first admission: ends the queueing time
             bm.allocate(request.request_id, num_computed + num_new, computed)
             request.num_computed_tokens = request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING

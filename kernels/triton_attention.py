@@ -24,6 +24,7 @@ of an extra request index S, as the torch reference does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -180,7 +181,7 @@ def _reduce_splits_kernel(
         m = tl.load(part_max_ptr + part_row + offs_s, mask=s_ok, other=-1.0e30)
         weight_sum = tl.load(part_sum_ptr + part_row + offs_s, mask=s_ok, other=0.0)
         o = tl.load(part_out_ptr + (part_row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_ok[:, None], other=0.0)  # fmt: skip
+                    mask=s_ok[:, None], other=0.0)
         new_max = tl.maximum(run_max, tl.max(m, axis=0))
         w = weight_sum * tl.math.exp2(m - new_max)  # [BLOCK_S]
         rescale = tl.math.exp2(run_max - new_max)
@@ -201,6 +202,7 @@ class TileConfig:
     num_stages: int
 
 
+@functools.cache
 def tile_config(head_dim: int, group: int, decode: bool) -> TileConfig:
     """Tile sizes per (head_dim, GQA group, decode or not); shared memory is checked by the
     compile test (K and V tiles times num_stages must fit sm_90's 227 KB)."""
@@ -232,17 +234,23 @@ def reduce_constexprs(head_dim: int) -> dict:
 
 
 def plan_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
-                ) -> tuple[int, int]:  # fmt: skip
+                ) -> tuple[int, int]:
     """(num_splits, partition_len) for a decode batch, from host values only."""
     target = _TARGET_PROGRAMS
     if target is None:
-        is_cuda = device.type == "cuda"
-        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 1
+        target = 1  # the CPU interpreter runs programs one after another
+        if device.type == "cuda":
+            target = 4 * _num_sms(torch.cuda.current_device() if device.index is None else device.index)
     wanted = triton.cdiv(target, max(1, num_seqs * num_kv_heads))
     by_len = triton.cdiv(max_seq_len, _MIN_PARTITION_LEN)
     num_splits = max(1, min(wanted, by_len, _MAX_SPLITS))
     partition_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     return triton.cdiv(max_seq_len, partition_len), partition_len
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def paged_attention(
@@ -279,7 +287,7 @@ def paged_attention(
     if decode and max_seq_len > 0:
         num_splits, partition_len = plan_splits(num_seqs, num_kv_heads, max_seq_len, cfg.block_n, q.device)
     else:
-        num_splits, partition_len = 1, max(cfg.block_n, triton.cdiv(max_seq_len, cfg.block_n) * cfg.block_n)
+        num_splits, partition_len = 1, 1 << 30  # one partition: the whole sequence
     split = num_splits > 1
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -297,12 +305,12 @@ def paged_attention(
         out.stride(0), out.stride(1), block_tables.stride(0),
         **attention_constexprs(q.dtype, head_dim, group, decode, split),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    )
     if split:
         launcher(_reduce_splits_kernel, q.device)[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, query_start_loc, num_splits, out.stride(0), out.stride(1),
             **reduce_constexprs(head_dim), num_warps=4,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -310,7 +318,7 @@ def _check_layout(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tab
     """What the kernel's pointer arithmetic assumes, beyond dispatch's shape and dtype checks."""
     head_dim = q.shape[2]
     require(16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0,
-            f"head_dim must be a power of two in 16..256, got {head_dim}")  # fmt: skip
+            f"head_dim must be a power of two in 16..256, got {head_dim}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if t is not None:
             require(t.stride(-1) == 1, f"{name} must be contiguous in head_dim, got strides {t.stride()}")

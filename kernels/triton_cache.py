@@ -8,22 +8,24 @@ interpreter when TRITON_INTERPRET=1 is set (how the tests check them without a G
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-_INTERPRETED: dict[object, InterpretedFunction] = {}
+_INTERPRETED: dict[object, InterpretedFunction] = {}  # a kernel's Python function -> its interpreted twin
 
 
 def launcher(kernel, device: torch.device):
     """`kernel` on CUDA; on other devices its interpreted twin, when TRITON_INTERPRET=1.
 
-    triton.jit decides at import time whether a kernel is compiled or interpreted, so a process
-    that imported this module without the variable still gets an interpreter for CPU tensors as
-    long as the variable is set at call time (tests set it per test).
+    triton.jit picks compiled or interpreted once, at import; this picks per call, so a process
+    that imported Triton without the variable (the test suite) can still interpret CPU tensors.
     """
     if isinstance(kernel, InterpretedFunction):
         _patch_interpreter()
@@ -35,29 +37,41 @@ def launcher(kernel, device: torch.device):
             f"the 'triton' kernel backend is not available for {device.type} tensors unless "
             "TRITON_INTERPRET=1 (Triton's CPU interpreter); use backend='torch' or None"
         )
-    if kernel not in _INTERPRETED:
-        _INTERPRETED[kernel] = InterpretedFunction(kernel.fn)
     _patch_interpreter()
-    return _INTERPRETED[kernel]
+    return _interpreted(kernel)
+
+
+def _interpreted(fn: JITFunction) -> InterpretedFunction:
+    # Keyed by the Python function: a JITFunction's own hash parses its source.
+    if fn.fn not in _INTERPRETED:
+        _INTERPRETED[fn.fn] = InterpretedFunction(fn.fn)
+    return _INTERPRETED[fn.fn]
 
 
 def _patch_interpreter() -> None:
-    """Two gaps of Triton 3.6's CPU interpreter, patched once, only in processes that use it.
+    """Patch Triton 3.6's CPU interpreter once, in processes that use it, so that:
 
-    - Scalars are 1-element arrays that loop bounds turn into ints with int(), which NumPy >= 2.4
-      rejects (triton-lang/triton#9171, fixed upstream by #9172): re-patch tensor.__index__
-      right after the interpreter patches triton.language for a launch (its scope restores both).
-    - bfloat16 is stored as uint16 and tl.dot multiplies those bit patterns
-      (triton-lang/triton#11584): widen bfloat16 operands to float32 first, exactly what the
-      GPU's bf16 MMA with float32 accumulation computes.
+    - it runs kernels compiled-mode Triton imported: for each launch, every @triton.jit function
+      the kernel can reach (its module's, triton.language's own such as tl.max and tl.sum) is
+      swapped for an interpreted twin; the launch's patch scope restores them afterwards;
+    - scalar loop bounds work with NumPy >= 2.4: scalars are 1-element arrays that __index__
+      converts with int(), which NumPy 2.4 rejects (triton-lang/triton#9171, fixed by #9172);
+    - bfloat16 tl.dot computes on values: bf16 is stored as uint16 and create_dot multiplied the
+      bit patterns (triton-lang/triton#11584); widening to float32 first is what the GPU's bf16
+      MMA with float32 accumulation computes;
+    - float32 -> bfloat16 casts round to nearest even, as on the GPU, instead of truncating.
     """
     if getattr(interpreter, "pdserve_patched", False):
         return
     patch_lang = interpreter._patch_lang
 
-    def patch_lang_with_index(fn):
+    def patch_lang_for_late_interpreting(fn):
         scope = patch_lang(fn)
         scope.set_attr(tl.core.tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        for module in (sys.modules[fn.__module__], tl, tl.standard):
+            for name, value in list(vars(module).items()):
+                if isinstance(value, JITFunction):
+                    scope.set_attr(module, name, _interpreted(value))
         return scope
 
     create_dot = interpreter.InterpreterBuilder.create_dot
@@ -65,9 +79,23 @@ def _patch_interpreter() -> None:
     def create_dot_widening_bf16(self, a, b, *args):
         return create_dot(self, _bf16_as_fp32(a), _bf16_as_fp32(b), *args)
 
-    interpreter._patch_lang = patch_lang_with_index
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_rounding_to_bf16(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    interpreter._patch_lang = patch_lang_for_late_interpreting
     interpreter.InterpreterBuilder.create_dot = create_dot_widening_bf16
+    interpreter.InterpreterBuilder.cast_impl = cast_rounding_to_bf16
     interpreter.pdserve_patched = True
+
+
+def _fp32_to_bf16_bits(data: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # nearest, ties to even
+    return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
 
 
 def _bf16_as_fp32(handle):

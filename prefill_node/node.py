@@ -120,8 +120,8 @@ class PrefillNode:
         self.link.send(FirstToken(
             request_id=rid, token_id=request.output_token_ids[-1], logprobs=logprobs,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens, queued_s=0.0,
-            prefill_s=now - t.get("received", now),
+            num_cached_tokens=request.num_cached_tokens,
+            queued_s=t.get("scheduled", now) - t.get("received", now), prefill_s=now - t.get("scheduled", now),
         ))
         self.timings.append({"request_id": rid, **t})
         if request.is_finished:

@@ -4,8 +4,9 @@ Without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set per test
 at call time, see kernels.triton_cache.launcher), so shapes stay tiny. With a GPU the same tests
 run compiled on it (the `cuda` parameter; skipped on the CPU).
 
-Tolerances against float64: float32 1e-5; float16 5e-3; bfloat16 2e-2 (the probabilities are
-rounded to the KV dtype before the P @ V product, as on the GPU, and bfloat16 keeps 8 bits).
+Tolerances against float64 (atol = rtol): float32 1e-5; float16 2e-3; bfloat16 1e-2. Half
+precision loses to rounding the probabilities to the KV dtype before P @ V (as flash attention
+does) and the output; the observed worst cases are about half these (the torch reference's too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import paged_attention, reference, store_kv, triton_attention
 from kernels.triton_cache import copy_tokens_triton, gather_tokens_triton, scatter_tokens_triton
+from kernels.triton_norm import rms_norm, rms_norm_torch, rotary_embedding, rotary_torch
 from kvtransfer import payload
 from tests.kernels.test_reference import (
     MIXED_Q_LENS,
@@ -26,7 +28,7 @@ from tests.kernels.test_reference import (
     naive_attention,
 )
 
-TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 HAS_CUDA = torch.cuda.is_available()
 
 
@@ -127,9 +129,9 @@ def test_prefill_without_cache(device):
 
 
 def test_prefill_longer_than_one_query_tile(device):
-    # 150 queries span three 64-row tiles (GQA 1) and 13 tiles of 12 tokens (GQA 5, 60 rows).
-    assert_triton_matches_naive(make_batch([150], [170], num_heads=2, num_kv_heads=2), device)
-    assert_triton_matches_naive(make_batch([150], [150], num_heads=5, num_kv_heads=1), device)
+    # 70 queries span two 64-row tiles (GQA 1); 30 span three tiles of 12 tokens (GQA 5, 60 rows).
+    assert_triton_matches_naive(make_batch([70, 1], [90, 9], num_heads=2, num_kv_heads=2), device)
+    assert_triton_matches_naive(make_batch([30, 2], [30, 40], num_heads=5, num_kv_heads=1), device)
 
 
 def test_chunked_prefill_starting_mid_block(device):
@@ -278,3 +280,44 @@ def test_gather_of_nothing_and_bad_block_ids(device):
         gather_tokens_triton(pool, [4], 3)
     with pytest.raises(ValueError, match="cannot hold"):
         gather_tokens_triton(pool, [1], 9)
+
+
+# ---- fused RMSNorm and rotary (optional kernels, not wired into the engine yet) ------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_rms_norm_with_and_without_residual(device, dtype, hidden):
+    gen = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(5, hidden, generator=gen).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    got = rms_norm(x.to(device), weight.to(device), 1e-6)
+    torch.testing.assert_close(got.cpu(), rms_norm_torch(x, weight, 1e-6), **tol)
+    want_residual, got_residual = residual.clone(), residual.to(device)
+    want = rms_norm_torch(x, weight, 1e-6, want_residual)
+    got = rms_norm(x.to(device), weight.to(device), 1e-6, got_residual)
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    torch.testing.assert_close(got_residual.cpu(), want_residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_fused_projection_views(device, dtype):
+    num_tokens, num_heads, num_kv_heads, head_dim = 6, 9, 3, 16
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    positions = torch.tensor([0, 5, 6, 7, 63, 2])
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    want_q, want_k = rotary_torch(positions, q, k, cos, sin)
+    got_qkv = qkv.to(device)
+    got_q, got_k = rotary_embedding(positions.to(device), got_qkv[:, : num_heads * head_dim].view(q.shape),
+                                    got_qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+                                    .view(k.shape), cos.to(device), sin.to(device))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got_q.cpu(), want_q, **tol)
+    torch.testing.assert_close(got_k.cpu(), want_k, **tol)
+    v_cols = slice((num_heads + num_kv_heads) * head_dim, None)
+    assert torch.equal(got_qkv[:, v_cols].cpu(), qkv[:, v_cols])  # v untouched

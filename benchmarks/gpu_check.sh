@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The whole check for the H200 machine, run from the repository root:
+#
+#     bash benchmarks/gpu_check.sh            # results under $OUT (default ./gpu_out)
+#
+# That machine has torch, triton 3.6 and transformers but no network and no pyzmq: wheels carried
+# in .whl/ are installed into /tmp/site first. Each stage has its own timeout and writes
+# $OUT/<stage>.log and $OUT/<stage>.json ({stage, rc, seconds, timed_out}); a failing stage is
+# recorded and the next one still runs. $OUT/summary.json lists every stage. Under 5 minutes.
+set -u
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./gpu_out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    if "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; then
+        export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    else
+        echo "gpu_check: installing the carried wheels failed; stages needing them will fail" >&2
+    fi
+fi
+
+STAGES=()
+
+# stage NAME TIMEOUT_SECONDS COMMAND...: run it, keep its log, record how it ended.
+stage() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (timeout ${limit}s): $*"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    local seconds=$((SECONDS - start))
+    local timed_out=false
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then timed_out=true; fi
+    printf '{"stage": "%s", "rc": %d, "seconds": %d, "timed_out": %s, "log": "%s"}\n' \
+        "$name" "$rc" "$seconds" "$timed_out" "$OUT/$name.log" > "$OUT/$name.json"
+    tail -n 3 "$OUT/$name.log"
+    echo "== $name: rc=$rc in ${seconds}s"
+    STAGES+=("$name")
+}
+
+# (1) Kernel tests: compiled on the GPU first, then the CPU interpreter and sm_90 compile tiers.
+stage gpu_kernel_tests 90 "$PY" -m pytest tests/kernels -q -m gpu -p no:cacheprovider \
+    --junitxml="$OUT/gpu_kernel_tests.xml"
+stage kernel_tests 110 "$PY" -m pytest tests/kernels -q -m "not slow and not gpu" -p no:cacheprovider \
+    --junitxml="$OUT/kernel_tests.xml"
+
+# (2) Kernel micro-benchmarks: decode KV bandwidth against a device copy, store_kv, gather/scatter.
+stage kernel_bench 90 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json"
+
+# (3) Engine offline benchmark on a Llama-3.2-1B-shaped random bf16 model.
+# TODO(lead): fill in the engine offline benchmark stage, e.g.
+# stage make_model 60 "$PY" -c "...build a random bf16 Llama-3.2-1B-shaped model into /tmp/llama1b..."
+# stage engine_offline 120 "$PY" benchmarks/offline.py --model /tmp/llama1b --dtype bfloat16 \
+#     --num-requests 64 --json "$OUT/offline.json"
+
+# Summary: every stage's record in one file; exit 1 when any stage failed.
+failed=0
+{
+    echo "["
+    sep=""
+    for name in "${STAGES[@]}"; do
+        printf '%s' "$sep"
+        cat "$OUT/$name.json"
+        sep=","
+        grep -q '"rc": 0,' "$OUT/$name.json" || failed=1
+    done
+    echo "]"
+} > "$OUT/summary.json"
+cat "$OUT/summary.json"
+exit "$failed"
