@@ -52,11 +52,14 @@ stage kernel_tests 110 "$PY" -m pytest tests/kernels -q -m "not slow and not gpu
 # (2) Kernel micro-benchmarks: decode KV bandwidth against a device copy, store_kv, gather/scatter.
 stage kernel_bench 90 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json"
 
-# (3) Engine offline benchmark on a Llama-3.2-1B-shaped random bf16 model.
-# TODO(lead): fill in the engine offline benchmark stage, e.g.
-# stage make_model 60 "$PY" -c "...build a random bf16 Llama-3.2-1B-shaped model into /tmp/llama1b..."
-# stage engine_offline 120 "$PY" benchmarks/offline.py --model /tmp/llama1b --dtype bfloat16 \
-#     --num-requests 64 --json "$OUT/offline.json"
+# (3) The engine on the GPU: parity tests, then the offline benchmark on a Llama-3.2-1B-shaped
+# random bf16 model with the nano-vllm workload (input and output lengths uniform in 100..1024).
+stage gpu_engine_tests 90 "$PY" -m pytest tests/engine/test_gpu_engine.py -q -s -p no:cacheprovider
+stage make_llama1b 60 "$PY" benchmarks/make_random_model.py --shape llama-1b --dtype bfloat16 --out /tmp/llama1b
+stage offline_256 100 "$PY" benchmarks/offline.py --model /tmp/llama1b --device cuda --dtype bfloat16 \
+    --num-requests 256 --input-len 100 1024 --output-len 100 1024 --skip-hf --quiet --json "$OUT/offline_256.json"
+stage offline_vs_hf_128 150 "$PY" benchmarks/offline.py --model /tmp/llama1b --device cuda --dtype bfloat16 \
+    --num-requests 128 --input-len 100 1024 --output-len 100 1024 --quiet --json "$OUT/offline_vs_hf_128.json"
 
 # Summary: every stage's record in one file; exit 1 when any stage failed.
 failed=0

@@ -32,7 +32,7 @@ def make_workload(num_requests: int, input_range, output_range, vocab_size: int,
 def run_engine(model_path: str, dtype: str, prompts, output_lens, args) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model_path, dtype=dtype, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model_path, dtype=dtype, device=args.device, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
               enable_prefix_caching=False)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -49,7 +49,7 @@ def run_transformers(model_path: str, dtype: str, prompts, output_lens, args) ->
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(args.device).eval()
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else 0
     batches = [range(i, min(i + args.hf_batch_size, len(prompts))) for i in range(0, len(prompts), args.hf_batch_size)]
@@ -57,15 +57,21 @@ def run_transformers(model_path: str, dtype: str, prompts, output_lens, args) ->
     start = time.perf_counter()
     for batch in batches:
         _hf_batch(model, [prompts[i] for i in batch], max(output_lens[i] for i in batch), pad)
+    _sync(args.device)
     elapsed = time.perf_counter() - start
     credited = sum(output_lens)  # each request's own tokens, not the padding steps
     return {"output_tokens": credited, "seconds": elapsed, "output_tok_per_s": credited / elapsed}
 
 
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def _hf_batch(model, batch_prompts, max_new_tokens: int, pad: int) -> None:
     width = max(len(p) for p in batch_prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=model.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=model.device)
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                        min_new_tokens=max_new_tokens, pad_token_id=pad)  # min = max: EOS ignored
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], help="one run per dtype")
+    p.add_argument("--device", default="cpu")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[100, 300], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
