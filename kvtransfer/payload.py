@@ -55,8 +55,17 @@ def _check_blocks(kv_buffer: torch.Tensor, block_ids: list[int]) -> None:
         raise ValueError(f"block ids out of range [0, {num_blocks})")
 
 
+def _triton_cache():
+    """The one-pass Triton gather/scatter kernels, for pools on a CUDA device."""
+    from kernels import triton_cache
+
+    return triton_cache
+
+
 def gather_tokens(kv_buffer: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
     """A request's KV as one contiguous [num_layers, 2, num_tokens, num_kv_heads, head_dim] tensor."""
+    if kv_buffer.is_cuda:
+        return _triton_cache().gather_tokens_triton(kv_buffer, block_ids, num_tokens)
     flat = _flat_slots(kv_buffer)  # [L*2, slots, H*D]
     _check_blocks(kv_buffer, block_ids)
     slots = slot_ids(block_ids, kv_buffer.shape[3], num_tokens, kv_buffer.device)
@@ -72,6 +81,9 @@ def scatter_tokens(kv_buffer: torch.Tensor, block_ids: list[int], payload: torch
         raise ValueError(f"payload shape {tuple(payload.shape)} does not fit pool {tuple(kv_buffer.shape)}")
     if payload.dtype != kv_buffer.dtype:
         raise ValueError(f"payload dtype {payload.dtype} differs from the pool's {kv_buffer.dtype}")
+    if kv_buffer.is_cuda:
+        _triton_cache().scatter_tokens_triton(kv_buffer, block_ids, payload.to(kv_buffer.device))
+        return
     flat = _flat_slots(kv_buffer)
     _check_blocks(kv_buffer, block_ids)
     num_tokens = payload.shape[2]
@@ -97,6 +109,9 @@ def copy_tokens(src_buffer: torch.Tensor, src_block_ids: list[int], dst_buffer: 
         raise ValueError(f"pools {tuple(src_buffer.shape)} and {tuple(dst_buffer.shape)} are incompatible")
     if src_buffer.dtype != dst_buffer.dtype:
         raise ValueError(f"pool dtypes differ: {src_buffer.dtype} vs {dst_buffer.dtype}")
+    if src_buffer.is_cuda and dst_buffer.device == src_buffer.device:
+        _triton_cache().copy_tokens_triton(src_buffer, src_block_ids, dst_buffer, dst_block_ids, num_tokens)
+        return
     src, dst = _flat_slots(src_buffer), _flat_slots(dst_buffer)  # [L*2, slots, H*D]
     _check_blocks(src_buffer, src_block_ids)
     _check_blocks(dst_buffer, dst_block_ids)
