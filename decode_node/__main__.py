@@ -16,6 +16,8 @@ def build_parser(prog: str = "pdserve decode") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="a pdserve decode node")
     p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over (0 = free)")
     p.add_argument("--kv-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow network
+    p.add_argument("--advertise-host", default=None,
+                   help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
     add_node_args(p)
     return p
 
@@ -26,21 +28,26 @@ def main(argv: list[str] | None = None) -> int:
     from decode_node.node import DecodeNode
     from engine.cli import build_engine, install_stop_handlers, served_name
     from kvtransfer.receiver import KVReceiver
-    from kvtransfer.router_link import RouterLink, StatusServer, serve_node
-    from prefill_node.node import kv_layout, register_message
+    from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, advertised_addr, serve_node
+    from prefill_node.node import kv_layout, register_message, warm_up
 
     stop = install_stop_handlers()
     node_id = args.node_id or f"decode-{uuid.uuid4().hex[:8]}"
     name = served_name(args)
+    host = advertise_host(args.host, args.advertise_host)
+    # Up before the model loads: /health answers 503 until warm-up is done.
+    status = StatusServer(args.host, args.status_port, advertise_host=host, ready=False)
     engine = build_engine(args)
     receiver = KVReceiver(node_id, kv_layout(engine, name), engine.runner.kv_buffer,
                           bind_addr=f"tcp://{args.host}:{args.kv_port}")
-    link = RouterLink(args.router, register_message(node_id, "decode", engine, name, kv_addr=receiver.kv_addr))
+    kv_addr = advertised_addr(receiver.kv_addr, host)
+    link = RouterLink(args.router, register_message(node_id, "decode", engine, name, kv_addr=kv_addr))
     node = DecodeNode(engine, link, receiver, kv_pull_delay_s=args.kv_pull_delay_s)
-    status = StatusServer(args.host, args.status_port, node.status)
+    status.status_fn, status.metrics_fn = node.status, node.metrics.render
     link.register_msg.metrics_url = status.url
-    logger.info("%s ready (kv %s, status %s), registering with %s", node_id, receiver.kv_addr, status.url,
-                args.router)
+    warm_up(engine)
+    status.ready = True
+    logger.info("%s ready (kv %s, status %s), registering with %s", node_id, kv_addr, status.url, args.router)
     try:
         serve_node(node, link, stop_flag=stop)
     finally:

@@ -25,13 +25,15 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from kvtransfer.messages import Abort, Error, Heartbeat, KVReady, Message, Token, TokenBatch
+from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from kvtransfer.router_link import RouterLink
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeNode:
-    def __init__(self, engine: LLMEngine, link: RouterLink, receiver, *, kv_pull_delay_s: float = 0.0) -> None:
+    def __init__(self, engine: LLMEngine, link: RouterLink, receiver, *, kv_pull_delay_s: float = 0.0,
+                 metrics: NodeMetrics | None = None) -> None:
         self.engine = engine
         self.link = link
         self.receiver = receiver  # KVReceiver
@@ -42,6 +44,11 @@ class DecodeNode:
         self.kv_pull_delay_s = kv_pull_delay_s  # test knob: simulates a slow network before each pull
         self.timings: deque[dict] = deque(maxlen=1024)
         self.draining = False
+        self.pull_started: dict[str, float] = {}  # request id → monotonic time of receiver.pull
+        self.num_kv_bytes_received = 0  # by either path (the receiver counts only ZMQ bytes)
+        self._kv_bytes_per_token = engine.model_config.kv_elements_per_token * engine.runner.kv_buffer.element_size()
+        self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, "decode")
+        self.metrics.watch(self.metrics_snapshot)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -65,6 +72,7 @@ class DecodeNode:
             logger.warning("decode node: unexpected %s from the router", msg.TYPE)
 
     def abort(self, request_id: str) -> None:
+        self.pull_started.pop(request_id, None)
         if request_id in self.waiting_for_kv or request_id in self.receiving:
             self.last_renew.pop(request_id, None)
             self.waiting_for_kv.pop(request_id, None)
@@ -82,9 +90,11 @@ class DecodeNode:
         elif event.kind == "done" and rid in self.receiving:
             request = self.receiving.pop(rid)
             request.timings["kv_done"] = time.time()
+            self._transfer_done(rid, request.num_prompt_tokens)
             self.timings.append({"request_id": rid, **request.timings})
             self.engine.scheduler.add_prefilled(request)
         elif event.kind == "failed":
+            self.pull_started.pop(rid, None)
             self.last_renew.pop(rid, None)
             self.waiting_for_kv.pop(rid, None)
             if self.receiving.pop(rid, None) is not None:
@@ -124,7 +134,15 @@ class DecodeNode:
             block_ids = bm.allocate(rid, request.num_prompt_tokens)
             request.status = RequestStatus.RECEIVING_KV
             self.receiving[rid] = request
+            self.pull_started[rid] = time.monotonic()
             self.receiver.pull(rid, list(block_ids))
+
+    def _transfer_done(self, request_id: str, num_tokens: int) -> None:
+        started = self.pull_started.pop(request_id, None)
+        num_bytes = num_tokens * self._kv_bytes_per_token
+        self.num_kv_bytes_received += num_bytes
+        if started is not None:
+            self.metrics.observe_transfer(num_bytes, time.monotonic() - started)
 
     def _renew_waiting(self) -> None:
         now = time.monotonic()
@@ -163,3 +181,11 @@ class DecodeNode:
             "num_preemptions": self.engine.scheduler.num_preemptions, "timings": list(self.timings),
             "pid": os.getpid(),
         }
+
+    def metrics_snapshot(self) -> NodeSnapshot:
+        """Called from the status thread at scrape time: reads counters, changes nothing."""
+        snap = engine_snapshot(self.engine, num_bytes_received=self.num_kv_bytes_received,
+                               num_shm_transfers=self.receiver.num_shm_copies,
+                               num_zmq_transfers=self.receiver.num_zmq_pulls)
+        snap.num_waiting += len(self.waiting_for_kv)  # as the heartbeat counts them
+        return snap

@@ -155,6 +155,7 @@ _ROLE_COMMANDS = {
     "prefill": "prefill_node.__main__",
     "decode": "decode_node.__main__",
     "serve": "router.launcher",
+    "bench": "benchmarks.bench_cli",
 }
 
 

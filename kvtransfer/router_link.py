@@ -1,6 +1,6 @@
 """A node's link to the router: one DEALER socket (identity = node id), registration,
 heartbeats, and a non-blocking receive for the node's loop. Also the small HTTP endpoint every
-node serves for its status (and, later, metrics)."""
+node serves (status, metrics, health) and the address a node advertises for its endpoints."""
 
 from __future__ import annotations
 
@@ -80,19 +80,48 @@ class RouterLink:
 
 
 class StatusServer:
-    """GET /status → JSON from `status()`; GET /health → 200. Runs in a daemon thread."""
+    """A node's small HTTP endpoint, in a daemon thread:
 
-    def __init__(self, host: str, port: int, status: Callable[[], dict]) -> None:
+        GET /status   JSON from `status_fn()` (`{"ready": false}` until the node sets one)
+        GET /metrics  Prometheus text from `metrics_fn()` (404 until the node sets one)
+        GET /health   200 once `ready` is set (model loaded and warmed up), else 503
+
+    It starts before the model loads, so a container health check sees "not ready" rather than a
+    refused connection; the node fills in `status_fn`/`metrics_fn` and sets `ready` later.
+    `url` names `advertise_host` (default: the bind host) so peers on other machines can reach it."""
+
+    def __init__(self, host: str, port: int, status: Callable[[], dict] | None = None, *,
+                 metrics: Callable[[], bytes] | None = None, advertise_host: str | None = None,
+                 ready: bool = True) -> None:
+        self.status_fn = status or (lambda: {"ready": False})
+        self.metrics_fn = metrics
+        self.ready = ready
+        self.server = ThreadingHTTPServer((host, port), self._handler_class())
+        self.url = f"http://{advertise_host or host}:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="status-http")
+        self.thread.start()
+
+    def respond(self, path: str) -> tuple[int, str, bytes]:
+        """(status code, content type, body) for a GET of `path`."""
+        if path.startswith("/status"):
+            return 200, "application/json", json.dumps(self.status_fn()).encode()
+        if path.startswith("/metrics") and self.metrics_fn is not None:
+            from kvtransfer.node_metrics import CONTENT_TYPE
+
+            return 200, CONTENT_TYPE, self.metrics_fn()
+        if path.startswith("/health"):
+            return (200, "application/json", b'{"status": "ok"}') if self.ready else \
+                (503, "application/json", b'{"status": "loading"}')
+        return 404, "application/json", b'{"error": "not found"}'
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path.startswith("/status"):
-                    body, code = json.dumps(status()).encode(), 200
-                elif self.path.startswith("/health"):
-                    body, code = b'{"status": "ok"}', 200
-                else:
-                    body, code = b'{"error": "not found"}', 404
+                code, content_type, body = server.respond(self.path)
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -100,14 +129,29 @@ class StatusServer:
             def log_message(self, *args) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.url = f"http://{host}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="status-http")
-        self.thread.start()
+        return Handler
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def advertise_host(bind_host: str, advertise: str | None = None) -> str:
+    """The host peers should use to reach this node's endpoints: `advertise` when given; else the
+    bind host, except that a wildcard bind (0.0.0.0, e.g. in a container) advertises this
+    machine's own address, so each replica of a scaled service registers itself, not the
+    service name."""
+    if advertise:
+        return advertise
+    if bind_host in ("0.0.0.0", "", "*", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return bind_host
+
+
+def advertised_addr(bound_addr: str, host: str) -> str:
+    """`tcp://0.0.0.0:9200` bound → `tcp://HOST:9200` for peers."""
+    port = bound_addr.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
 
 
 def host_id() -> str:

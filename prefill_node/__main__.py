@@ -19,6 +19,8 @@ def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
                    help="'both': prefill and decode its own requests (the colocated mode)")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long handed-off KV stays pinned")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory KV path")
+    p.add_argument("--advertise-host", default=None,
+                   help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
     add_node_args(p)
     return p
 
@@ -29,11 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.cli import build_engine, install_stop_handlers, served_name
-    from kvtransfer.router_link import RouterLink, StatusServer, serve_node
-    from prefill_node.node import PrefillNode, kv_layout, register_message
+    from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, serve_node
+    from prefill_node.node import PrefillNode, kv_layout, register_message, warm_up
 
     stop = install_stop_handlers()
     node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    # Up before the model loads: /health answers 503 until warm-up is done.
+    status = StatusServer(args.host, args.status_port, advertise_host=advertise_host(args.host, args.advertise_host),
+                          ready=False)
     name = served_name(args)
     shm_pool = None
     allocator = None
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = build_engine(args, kv_allocator=allocator)
     link = RouterLink(args.router, register_message(node_id, args.role, engine, name))
     node = PrefillNode(engine, link, role=args.role, served_model_name=name)
-    status = StatusServer(args.host, args.status_port, node.status)
+    status.status_fn, status.metrics_fn = node.status, node.metrics.render
     link.register_msg.metrics_url = status.url
     if args.role == "prefill":
         from kvtransfer.sender import KVSender
@@ -62,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         node.sender = KVSender(node_id, kv_layout(engine, name), engine.runner.kv_buffer, node._release,
                                lease_s=args.lease_s, shm_pool=shm_pool)
         node.sender.on_error = node._handoff_failed
+    warm_up(engine)
+    status.ready = True
     logger.info("%s ready (status %s), registering with %s", node_id, status.url, args.router)
     try:
         serve_node(node, link, stop_flag=stop)

@@ -37,6 +37,7 @@ from kvtransfer.messages import (
     Token,
     TokenBatch,
 )
+from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from kvtransfer.router_link import RouterLink, host_id
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 class PrefillNode:
     def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill", sender=None,
-                 served_model_name: str = "") -> None:
+                 served_model_name: str = "", metrics: NodeMetrics | None = None) -> None:
         self.engine = engine
         self.link = link
         self.role = role  # "prefill", or "both" for the colocated comparison mode
@@ -54,6 +55,8 @@ class PrefillNode:
         self.colocated: set[str] = set()
         self.timings: deque[dict] = deque(maxlen=1024)  # recent per-request timestamps (status endpoint)
         self.draining = False
+        self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, role)
+        self.metrics.watch(self.metrics_snapshot)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -172,6 +175,25 @@ class PrefillNode:
             "num_preemptions": self.engine.scheduler.num_preemptions, "timings": list(self.timings),
             "pid": os.getpid(),
         }
+
+    def metrics_snapshot(self) -> NodeSnapshot:
+        """Called from the status thread at scrape time: reads counters, changes nothing."""
+        sender = self.sender
+        return engine_snapshot(self.engine, num_bytes_sent=sender.num_bytes_sent if sender else 0,
+                               num_leases=sender.num_held if sender else 0)
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """Run one tiny request (a prefill and a decode step) before the node reports ready, so lazy
+    start-up costs (allocator growth, kernel compilation, CUDA context) do not land on the first real
+    request. The counters it moved are put back: the metrics show real traffic only."""
+    bm, sched = engine.block_manager, engine.scheduler
+    saved = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
+    engine.add_request([0, 1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                       request_id="pdserve-warm-up")
+    while engine.has_unfinished():
+        engine.step_requests()
+    bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions = saved
 
 
 def _token(request: Request) -> Token:

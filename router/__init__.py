@@ -5,6 +5,7 @@
     request_state.py     one request's states, timing and token re-sequencing
     openai_protocol.py   request validation → SamplingParams; OpenAI error bodies
     openai_responses.py  response bodies and stream chunks
+    metrics.py           Prometheus metrics (GET /metrics): TTFT and its stages, TPOT, ITL, counts
     app.py               aiohttp routes (create_app)
     cli.py               main(argv): `pdserve router` / `python -m router`
 """

@@ -4,6 +4,7 @@
     POST /v1/chat/completions   chat through the tokenizer's chat template
     GET  /v1/models             the served model
     GET  /health                200 while a ready prefill-capable and decode-capable node are registered
+    GET  /metrics               Prometheus text format (router/metrics.py)
 
 A generation request is validated (4xx before any node sees it), submitted, then its deltas are
 written as they come. A streamed response is only started once the first delta is in, so an
@@ -20,6 +21,8 @@ import logging
 import time
 
 from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
 from router.openai_protocol import ProtocolError, error_body
 from router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
@@ -45,24 +48,29 @@ def create_app(router: Router) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/nodes", _nodes)
+    app.router.add_get("/metrics", _metrics)
     return app
 
 
 @web.middleware
 async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
     """Every error leaves as an OpenAI error body: {"error": {message, type, param, code}}."""
+    metrics = request.app[ROUTER_KEY].metrics  # errors from a request's own end are counted by the Router
     try:
         return await handler(request)
     except ProtocolError as e:
+        metrics.observe_error(e.status)
         return web.json_response(e.body(), status=e.status)
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        metrics.observe_error(e.status)
         return web.json_response(error_body(e.reason, e.status), status=e.status)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         logger.exception("error serving %s %s", request.method, request.path)
+        metrics.observe_error(500)
         return web.json_response(error_body("internal error", 500), status=500)
 
 
@@ -70,6 +78,11 @@ async def _models(request: web.Request) -> web.Response:
     name = request.app[ROUTER_KEY].served_model_name
     return web.json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": request.app[CREATED_KEY], "owned_by": "pdserve", "root": name}]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[ROUTER_KEY].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
 
 async def _health(request: web.Request) -> web.Response:

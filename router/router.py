@@ -21,6 +21,7 @@ and what it sends:
                     fails (so the other releases its blocks)
 
 A node missing heartbeats for `heartbeat_timeout_s` is dropped like a Deregister.
+`self.metrics` (router/metrics.py) records a request's first token, its end and its errors.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from kvtransfer.messages import (
     decode,
     encode,
 )
+from router.metrics import RouterMetrics
 from router.openai_protocol import ParsedRequest, ProtocolError, parse_chat, parse_completion
 from router.registry import NodeInfo, NoNodeError, Registry
 from router.request_state import RouterError, RouterRequest
@@ -61,12 +63,15 @@ ROLES = ("prefill", "decode", "both")
 class Router:
     def __init__(self, tokenizer, served_model_name: str, *, control_addr: str = "tcp://127.0.0.1:0",
                  heartbeat_timeout_s: float = 5.0, prefix_affinity: bool = False,
-                 request_timeout_s: float | None = 600.0) -> None:
+                 request_timeout_s: float | None = 600.0, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity)
         self.request_timeout_s = request_timeout_s
         self.requests: dict[str, RouterRequest] = {}  # in flight: dispatched and not ended
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.metrics.watch(lambda: len(self.requests),
+                           lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
         self.control_addr = ""  # the bound address, once started
         self._bind_addr = control_addr
         self._ctx: zmq.asyncio.Context | None = None
@@ -136,6 +141,7 @@ class Router:
     async def release(self, req: RouterRequest, reason: str = "client disconnected") -> None:
         """The HTTP side is done with `req`: if it has not ended, the client went away, so abort it."""
         if req.abort():
+            self.metrics.observe_end(req, "abort")
             logger.info("aborting %s: %s", req.request_id, reason)
             await self._abort_nodes(req, reason)
         self._forget(req)
@@ -193,7 +199,10 @@ class Router:
         self.registry.first_token(req.prefill_node_id, req.request_id)
         req.timing.prefill_queued_s, req.timing.prefill_s = msg.queued_s, msg.prefill_s
         req.timing.num_cached_tokens = msg.num_cached_tokens
+        delivered_before = req.timing.first_token is not None  # a duplicate FirstToken is dropped
         await self._deliver(req, Token(msg.request_id, 0, msg.token_id, msg.logprobs, msg.finish_reason))
+        if not delivered_before and req.timing.first_token is not None:
+            self.metrics.observe_first_token(req)
 
     async def _on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
         for token in msg.tokens:
@@ -215,6 +224,7 @@ class Router:
             return
         req.deltas.put_nowait(delta)
         if req.status.is_done:
+            self.metrics.observe_end(req, req.finish_reason)
             if req.stopped_by_router:  # the nodes would keep generating past the stop string
                 await self._abort_nodes(req, "stop string")
             self._forget(req)
@@ -224,6 +234,8 @@ class Router:
         if delta is None:
             return
         logger.warning("request %s failed: %s", req.request_id, error.message)
+        self.metrics.observe_error(error.status)
+        self.metrics.observe_end(req, None)
         req.deltas.put_nowait(delta)
         await self._abort_nodes(req, error.message)
         self._forget(req)

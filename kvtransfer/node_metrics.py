@@ -1,0 +1,118 @@
+"""A node's Prometheus metrics, served at GET /metrics on its status port (`StatusServer`).
+
+Most of them are read from the node's state when Prometheus scrapes (`NodeSnapshot`, taken by the
+node's `metrics_snapshot()` in the status thread), so the engine loop pays nothing per step. The
+KV transfer histograms are observed when a transfer ends (decode side: pull start → "done").
+Every series carries `node_id` and `role` labels; names follow vLLM's where it has the metric.
+One `CollectorRegistry` per node object, never the global one, so in-process tests can hold many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version reads
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BANDWIDTH_BUCKETS = tuple(float(1 << k) * 1e6 for k in range(17))  # 1 MB/s .. 65 GB/s, doubling
+
+
+@dataclass
+class NodeSnapshot:
+    """A node's numbers at one instant (counters are totals since the node started)."""
+
+    num_running: int
+    num_waiting: int  # decode: includes requests whose KV is announced but has no blocks yet
+    num_blocks_used: int
+    num_blocks_total: int
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hits: int  # of which were found
+    num_preemptions: int
+    num_bytes_sent: int = 0  # prefill: KV bytes served to decode nodes over ZMQ
+    num_bytes_received: int = 0  # decode: KV bytes copied into this pool (ZMQ and shared memory)
+    num_leases: int = 0  # prefill: requests whose blocks are pinned for a decode node
+    num_shm_transfers: int = 0  # decode: transfers done by a same-host copy
+    num_zmq_transfers: int = 0  # decode: transfers pulled over ZMQ
+
+
+def engine_snapshot(engine, **transfer) -> NodeSnapshot:
+    """The engine's part of a snapshot; `transfer` adds the node's KV hand-off counters."""
+    sched, bm = engine.scheduler, engine.block_manager
+    return NodeSnapshot(
+        num_running=len(sched.running), num_waiting=len(sched.waiting), num_blocks_used=bm.num_used_blocks,
+        num_blocks_total=bm.num_blocks, num_prefix_queries=bm.num_prefix_queries,
+        num_prefix_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions, **transfer)
+
+
+class NodeMetrics:
+    def __init__(self, node_id: str, role: str, registry: CollectorRegistry | None = None) -> None:
+        self.node_id, self.role = node_id, role
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["node_id", "role"]
+        self.kv_transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds", "KV transfer time per request, decode side: pull start to done",
+            labels, registry=self.registry, buckets=TRANSFER_BUCKETS).labels(node_id, role)
+        self.kv_transfer_bandwidth = Histogram(
+            "pdserve_kv_transfer_bandwidth_bytes_per_second", "Per-transfer KV bytes / transfer seconds",
+            labels, registry=self.registry, buckets=BANDWIDTH_BUCKETS).labels(node_id, role)
+
+    def watch(self, snapshot: Callable[[], NodeSnapshot]) -> None:
+        """Export the node's state, read by calling `snapshot()` at every scrape."""
+        self.registry.register(NodeStateCollector(snapshot, self.node_id, self.role))
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        self.kv_transfer_seconds.observe(seconds)
+        if seconds > 0:
+            self.kv_transfer_bandwidth.observe(num_bytes / seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# (name, kind, help, how to read it from a snapshot)
+_FAMILIES: list[tuple[str, str, str, Callable[[NodeSnapshot], float]]] = [
+    ("pdserve_num_requests_running", "gauge", "Requests in the node's running batch", lambda s: s.num_running),
+    ("pdserve_num_requests_waiting", "gauge", "Requests waiting for a batch slot or KV blocks",
+     lambda s: s.num_waiting),
+    ("pdserve_kv_cache_usage_perc", "gauge", "KV blocks in use / total (0..1)",
+     lambda s: s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0),
+    ("pdserve_kv_blocks_used", "gauge", "KV blocks held by requests", lambda s: s.num_blocks_used),
+    ("pdserve_kv_blocks_total", "gauge", "KV blocks in the pool", lambda s: s.num_blocks_total),
+    ("pdserve_kv_leases_held", "gauge", "Prefill: requests whose blocks are pinned under a lease",
+     lambda s: s.num_leases),
+    ("pdserve_prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache",
+     lambda s: s.num_prefix_queries),
+    ("pdserve_prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache", lambda s: s.num_prefix_hits),
+    ("pdserve_num_preemptions", "counter", "Requests preempted (recompute or swap)", lambda s: s.num_preemptions),
+]
+
+
+class NodeStateCollector:
+    """A prometheus_client custom collector: one snapshot per scrape, every family from it."""
+
+    def __init__(self, snapshot: Callable[[], NodeSnapshot], node_id: str, role: str) -> None:
+        self._snapshot = snapshot
+        self._labels = [node_id, role]
+
+    def collect(self):
+        snap = self._snapshot()
+        for name, kind, doc, read in _FAMILIES:
+            family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_cls(name, doc, labels=["node_id", "role"])
+            family.add_metric(self._labels, read(snap))
+            yield family
+        sent_received = CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes handed off: sent = served "
+                                            "over ZMQ by a prefill node, received = copied into a decode "
+                                            "node's pool by any path", labels=["node_id", "role", "direction"])
+        sent_received.add_metric([*self._labels, "sent"], snap.num_bytes_sent)
+        sent_received.add_metric([*self._labels, "received"], snap.num_bytes_received)
+        yield sent_received
+        transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers completed by a decode node, by "
+                                        "path", labels=["node_id", "role", "path"])
+        transfers.add_metric([*self._labels, "shm"], snap.num_shm_transfers)
+        transfers.add_metric([*self._labels, "zmq"], snap.num_zmq_transfers)
+        yield transfers

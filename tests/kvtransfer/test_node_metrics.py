@@ -1,0 +1,149 @@
+"""Node metrics: the scrape-time collector, the status server's /metrics and /health, and a real
+in-process hand-off (prefill node → decode node over ZMQ, tiny model) moving the node metrics."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtransfer.messages import PrefillRequest
+from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot
+from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, advertised_addr
+
+NODE = {"node_id": "n0", "role": "prefill"}
+
+
+def samples(text: bytes | str) -> dict[tuple[str, frozenset], float]:
+    text = text.decode() if isinstance(text, bytes) else text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(metrics: dict, name: str, **labels) -> float:
+    return metrics[(name, frozenset(labels.items()))]
+
+
+def make_snapshot(**kw) -> NodeSnapshot:
+    base = dict(num_running=2, num_waiting=3, num_blocks_used=25, num_blocks_total=100, num_prefix_queries=64,
+                num_prefix_hits=32, num_preemptions=1, num_bytes_sent=4096, num_leases=2)
+    return NodeSnapshot(**{**base, **kw})
+
+
+def test_collector_reads_the_snapshot_at_every_scrape():
+    metrics = NodeMetrics("n0", "prefill")
+    state = {"snap": make_snapshot()}
+    metrics.watch(lambda: state["snap"])
+    m = samples(metrics.render())
+    assert value(m, "pdserve_kv_cache_usage_perc", **NODE) == 0.25
+    assert value(m, "pdserve_kv_blocks_used", **NODE) == 25 and value(m, "pdserve_kv_blocks_total", **NODE) == 100
+    assert value(m, "pdserve_num_requests_running", **NODE) == 2
+    assert value(m, "pdserve_num_requests_waiting", **NODE) == 3
+    assert value(m, "pdserve_prefix_cache_queries_total", **NODE) == 64
+    assert value(m, "pdserve_prefix_cache_hits_total", **NODE) == 32
+    assert value(m, "pdserve_num_preemptions_total", **NODE) == 1
+    assert value(m, "pdserve_kv_leases_held", **NODE) == 2
+    assert value(m, "pdserve_kv_transfer_bytes_total", **NODE, direction="sent") == 4096
+    state["snap"] = make_snapshot(num_blocks_used=0, num_blocks_total=0)  # an empty pool reads 0, not NaN
+    assert value(samples(metrics.render()), "pdserve_kv_cache_usage_perc", **NODE) == 0.0
+
+
+def test_transfer_histograms():
+    metrics = NodeMetrics("d0", "decode")
+    metrics.observe_transfer(8 << 20, 0.004)  # 8 MiB in 4 ms ≈ 2.1 GB/s
+    metrics.observe_transfer(1024, 0.0)  # too fast to time: no bandwidth sample
+    m = samples(metrics.render())
+    labels = {"node_id": "d0", "role": "decode"}
+    assert value(m, "pdserve_kv_transfer_seconds_count", **labels) == 2
+    assert value(m, "pdserve_kv_transfer_bandwidth_bytes_per_second_count", **labels) == 1
+    assert value(m, "pdserve_kv_transfer_bandwidth_bytes_per_second_sum", **labels) == pytest.approx((8 << 20) / 0.004)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_status_server_health_waits_for_ready_and_serves_metrics():
+    server = StatusServer("127.0.0.1", 0, advertise_host="node.example", ready=False)
+    try:
+        local = "http://127.0.0.1:" + server.url.rsplit(":", 1)[1]
+        assert server.url.startswith("http://node.example:")
+        assert _get(local + "/health")[0] == 503
+        assert _get(local + "/metrics")[0] == 404  # no node yet
+        assert _get(local + "/status") == (200, b'{"ready": false}')
+        metrics = NodeMetrics("n0", "prefill")
+        metrics.watch(make_snapshot)
+        server.metrics_fn, server.ready = metrics.render, True
+        assert _get(local + "/health")[0] == 200
+        code, body = _get(local + "/metrics")
+        assert code == 200 and value(samples(body), "pdserve_kv_blocks_total", **NODE) == 100
+    finally:
+        server.close()
+
+
+def test_advertised_address():
+    assert advertise_host("127.0.0.1") == "127.0.0.1"
+    assert advertise_host("0.0.0.0", "prefill-1.local") == "prefill-1.local"
+    assert advertise_host("0.0.0.0") not in ("0.0.0.0", "")  # this machine's own address
+    assert advertised_addr("tcp://0.0.0.0:9200", "10.0.0.7") == "tcp://10.0.0.7:9200"
+
+
+# ---- a real hand-off between two in-process nodes -------------------------------------------
+def make_engine(model_dir):
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model_path=model_dir, dtype="float32", num_kv_blocks=64, num_threads=1))
+
+
+def test_handoff_moves_node_metrics(tiny_llama, no_leak):
+    from decode_node.node import DecodeNode
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.sender import KVSender
+    from prefill_node.node import PrefillNode, kv_layout, register_message, warm_up
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)  # stands in for the router: takes what nodes send
+    router.bind("tcp://127.0.0.1:*")
+    addr = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    pe, de = make_engine(tiny_llama), make_engine(tiny_llama)
+    for engine in (pe, de):
+        warm_up(engine)
+        assert engine.block_manager.num_prefix_queries == 0 and engine.block_manager.num_used_blocks == 0
+    prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")))
+    prefill.sender = KVSender("p0", kv_layout(pe, "tiny"), pe.runner.kv_buffer, prefill._release)
+    receiver = KVReceiver("d0", kv_layout(de, "tiny"), de.runner.kv_buffer)
+    decode = DecodeNode(de, RouterLink(addr, register_message("d0", "decode", de, "tiny")), receiver)
+    prompt = list(range(3, 40))
+    try:
+        prefill.handle(PrefillRequest("r1", prompt, {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                                      "d0", receiver.kv_addr))
+        deadline = time.monotonic() + 60
+        while not (prefill.is_idle() and decode.is_idle() and decode.timings):
+            assert time.monotonic() < deadline, "the hand-off did not finish"
+            prefill.run_once()
+            decode.run_once()
+        p, d = samples(prefill.metrics.render()), samples(decode.metrics.render())
+    finally:
+        for closer in (prefill.sender, receiver, prefill.link, decode.link):
+            closer.close()
+        router.close(0)
+    num_bytes = len(prompt) * pe.model_config.kv_elements_per_token * 4
+    dl = {"node_id": "d0", "role": "decode"}
+    assert value(p, "pdserve_prefix_cache_queries_total", **NODE | {"node_id": "p0"}) == len(prompt)
+    assert value(p, "pdserve_kv_transfer_bytes_total", node_id="p0", role="prefill", direction="sent") == num_bytes
+    assert value(d, "pdserve_kv_transfer_bytes_total", **dl, direction="received") == num_bytes
+    assert value(d, "pdserve_kv_transfers_total", **dl, path="zmq") == 1
+    assert value(d, "pdserve_kv_transfer_seconds_count", **dl) == 1
+    assert value(d, "pdserve_kv_transfer_bandwidth_bytes_per_second_count", **dl) == 1
+    assert value(p, "pdserve_kv_leases_held", node_id="p0", role="prefill") == 0
+    assert value(d, "pdserve_kv_blocks_used", **dl) == 0
+    no_leak(pe.block_manager)
+    no_leak(de.block_manager)
