@@ -28,17 +28,31 @@ logger = logging.getLogger(__name__)
 
 
 class RouterLink:
+    """Heartbeats go out from a thread on their own socket, so a long forward pass (a big prefill
+    chunk on a slow CPU) never makes the router think the node died. The loop only refreshes the
+    load figures the thread sends (`maybe_heartbeat`); everything else uses the main socket from
+    the node's loop alone (ZMQ sockets are not thread-safe)."""
+
     def __init__(self, router_addr: str, register: Register, *, heartbeat_s: float = 1.0,
                  ctx: zmq.Context | None = None) -> None:
         self.register_msg = register
         self.heartbeat_s = heartbeat_s
-        self.sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, register.node_id.encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.sock.connect(router_addr)
-        self._last_heartbeat = 0.0
+        self.router_addr = router_addr
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self._socket(register.node_id)
+        self._last_refresh = 0.0
+        self._latest: Heartbeat | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self.registered = False
+
+    def _socket(self, identity: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.connect(self.router_addr)
+        return sock
 
     def send(self, msg: Message) -> None:
         self.sock.send(msg.encode(), copy=False)
@@ -46,6 +60,9 @@ class RouterLink:
     def register(self) -> None:
         self.send(self.register_msg)
         self.registered = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+            self._thread.start()
 
     def deregister(self) -> None:
         if self.registered:
@@ -53,12 +70,22 @@ class RouterLink:
             self.registered = False
 
     def maybe_heartbeat(self, make: Callable[[], Heartbeat]) -> None:
-        """Heartbeat when due. Registration is repeated in every beat's place after a router
-        restart would otherwise forget us; the router treats a repeated Register as a refresh."""
+        """Refresh the load figures the heartbeat thread sends (at most twice per period)."""
         now = time.monotonic()
-        if now - self._last_heartbeat >= self.heartbeat_s:
-            self._last_heartbeat = now
-            self.send(make())
+        if now - self._last_refresh >= self.heartbeat_s / 2:
+            self._last_refresh = now
+            self._latest = make()
+
+    def _beat(self) -> None:
+        # The router keys heartbeats by node_id, so this socket needs an identity of its own.
+        sock = self._socket(f"{self.register_msg.node_id}#heartbeat")
+        try:
+            while not self._stop.wait(self.heartbeat_s):
+                latest = self._latest
+                if latest is not None and self.registered:
+                    sock.send(latest.encode())
+        finally:
+            sock.close(linger=0)
 
     def poll(self, timeout_ms: int = 0) -> list[Message]:
         """Messages from the router; garbage is logged and dropped."""
@@ -76,6 +103,9 @@ class RouterLink:
                 logger.warning("dropped a malformed message from the router: %s", e)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.heartbeat_s)
         self.sock.close(linger=0)
 
 
