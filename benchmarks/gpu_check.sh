@@ -61,6 +61,11 @@ stage offline_256 100 "$PY" benchmarks/offline.py --model /tmp/llama1b --device 
 stage offline_vs_hf_128 150 "$PY" benchmarks/offline.py --model /tmp/llama1b --device cuda --dtype bfloat16 \
     --num-requests 128 --input-len 100 1024 --output-len 100 1024 --quiet --json "$OUT/offline_vs_hf_128.json"
 
+# (4) The KV hand-off on the GPU: CUDA IPC between processes, then the pool-to-pool copy rate for a
+# 2,048-token request of the 1B shape (16 layers, 8 KV heads, head dim 64, bf16).
+stage cuda_ipc_tests 60 "$PY" -m pytest tests/kvtransfer/test_cuda_ipc.py -q -p no:cacheprovider
+stage kv_transfer_bench 60 "$PY" benchmarks/kv_transfer.py --json "$OUT/kv_transfer.json"
+
 # Summary: every stage's record in one file; exit 1 when any stage failed.
 failed=0
 {

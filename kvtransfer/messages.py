@@ -152,6 +152,7 @@ class KVLayout(Message):
     shm_name: str = ""  # same-host fast path: the pool's shared-memory segment ("" = none)
     probe_token: str = ""  # hex; the segment must hold it, proving the peer maps the same memory
     device_uuid: str = ""  # CUDA device of the pool ("" on CPU)
+    cuda_ipc: dict = field(default_factory=dict)  # CUDA IPC handle of the pool (kvtransfer.cuda_ipc)
 
     def incompatibility(self, other: KVLayout) -> str | None:
         for name in ("model", "dtype", "num_layers", "num_kv_heads", "head_dim"):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from kvtransfer import cuda_ipc
 from kvtransfer.messages import (
     Handshake,
     HandshakeAck,
@@ -174,7 +175,11 @@ class KVReceiver:
             self._peers[identity] = _Peer(hs.node_id, hs.layout, ok=False)
             self._send(identity, HandshakeAck(self.node_id, ok=False, error=error))
             return
-        pool = open_peer_pool(hs.layout, hs.layout.probe_token) if self.enable_shm else None
+        pool = None
+        if self.enable_shm:
+            pool = open_peer_pool(hs.layout, hs.layout.probe_token)  # CPU: shared memory
+            if pool is None:
+                pool = cuda_ipc.open_peer_pool(hs.layout)  # GPU: CUDA IPC
         self._peers[identity] = _Peer(hs.node_id, hs.layout, ok=True, pool=pool)
         log.info("prefill node %s connected (%s)", hs.node_id, "same host, shared memory" if pool is not None else "zmq")
         self._send(identity, HandshakeAck(self.node_id, ok=True, same_host=pool is not None))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from kvtransfer import cuda_ipc
 from kvtransfer.lease import LeaseTable
 from kvtransfer.messages import (
     Handshake,
@@ -73,6 +74,9 @@ class KVSender:
             layout = dataclasses.replace(layout, shm_name=shm_pool.name, probe_token=shm_pool.probe_token)
         elif probe_token:
             layout = dataclasses.replace(layout, probe_token=probe_token)
+        if kv_buffer.is_cuda:  # the GPU same-host path: peers on this machine map the pool by handle
+            layout = dataclasses.replace(layout, device_uuid=cuda_ipc.device_uuid(kv_buffer.device),
+                                         cuda_ipc=cuda_ipc.export_pool(kv_buffer))
         self.node_id = node_id
         self.layout = layout
         self.kv_buffer = kv_buffer

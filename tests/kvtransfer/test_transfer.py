@@ -144,7 +144,7 @@ def test_sender_close_releases_everything(make_pair):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC is not built; this checks ZMQ between GPU pools)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (checks ZMQ between GPU pools; CUDA IPC: test_cuda_ipc.py)")
 def test_zmq_transfer_between_cuda_pools(closing):
     src_layout, dst_layout = make_layout(block_size=16, dtype="bfloat16"), make_layout(block_size=8, dtype="bfloat16")
     src = make_pool(src_layout).cuda()
