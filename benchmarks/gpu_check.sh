@@ -65,6 +65,7 @@ stage offline_vs_hf_128 150 "$PY" benchmarks/offline.py --model /tmp/llama1b --d
 # 2,048-token request of the 1B shape (16 layers, 8 KV heads, head dim 64, bf16).
 stage cuda_ipc_tests 60 "$PY" -m pytest tests/kvtransfer/test_cuda_ipc.py -q -p no:cacheprovider
 stage kv_transfer_bench 60 "$PY" benchmarks/kv_transfer.py --json "$OUT/kv_transfer.json"
+stage gpu_disagg_e2e 150 "$PY" -m pytest tests/e2e/test_gpu_disagg.py -q -p no:cacheprovider
 
 # Summary: every stage's record in one file; exit 1 when any stage failed.
 failed=0
