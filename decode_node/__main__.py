@@ -16,8 +16,6 @@ def build_parser(prog: str = "pdserve decode") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="a pdserve decode node")
     p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over (0 = free)")
     p.add_argument("--kv-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow network
-    p.add_argument("--advertise-host", default=None,
-                   help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
     add_node_args(p)
     return p
 

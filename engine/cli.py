@@ -38,6 +38,8 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--host", default="127.0.0.1", help="interface for this node's endpoints (KV, status)")
     parser.add_argument("--status-port", type=int, default=0, help="GET /status (0 = a free port)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
     parser.add_argument("--log-level", default="INFO")
     add_engine_args(parser)
 

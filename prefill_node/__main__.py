@@ -19,8 +19,6 @@ def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
                    help="'both': prefill and decode its own requests (the colocated mode)")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long handed-off KV stays pinned")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory KV path")
-    p.add_argument("--advertise-host", default=None,
-                   help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
     add_node_args(p)
     return p
 
