@@ -96,8 +96,11 @@ def test_ctrl_c_prints_the_partial_summary(fake, tmp_path):
     cmd = [sys.executable, "-m", "benchmarks.bench_cli", "serve", "--base-url", fake.url, "--num-prompts", "200",
            "--request-rate", "20", "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm",
            "--save-json", str(tmp_path / "partial.json")]
+    # A shell's background job starts with SIGINT ignored, and Python keeps that: give the child
+    # the default disposition so that it installs its KeyboardInterrupt handler, as in a terminal.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert "prompts=200" in proc.stdout.readline()  # the header: the run is about to start
     time.sleep(1.5)
     proc.send_signal(signal.SIGINT)
