@@ -172,6 +172,10 @@ def test_deadline_aborts_the_request(tokenizer):
         async with serving(tokenizer, node, request_timeout_s=0.3) as h:
             status, body = await h.post("/v1/completions", SLOW)
             assert status == 504 and "timed out" in body["error"]["message"]
+            for _ in range(100):  # the Abort is on its way to the node: give its loop time to read it
+                if node.aborts:
+                    break
+                await asyncio.sleep(0.02)
             assert node.aborts and node.aborts[0].request_id in node.aborted_ids
             assert not h.router.requests
 
