@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from decode_node.node import DecodeNode
     from engine.cli import build_engine, install_stop_handlers, served_name
+    from kvtransfer.node_messages import kv_layout, register_message
     from kvtransfer.receiver import KVReceiver
     from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, advertised_addr, serve_node
-    from prefill_node.node import kv_layout, register_message, warm_up
 
     stop = install_stop_handlers()
     node_id = args.node_id or f"decode-{uuid.uuid4().hex[:8]}"
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     node = DecodeNode(engine, link, receiver, kv_pull_delay_s=args.kv_pull_delay_s)
     status.status_fn, status.metrics_fn = node.status, node.metrics.render
     link.register_msg.metrics_url = status.url
-    warm_up(engine)
+    engine.warm_up()
     status.ready = True
     logger.info("%s ready (kv %s, status %s), registering with %s", node_id, kv_addr, status.url, args.router)
     try:

@@ -24,7 +24,8 @@ from collections import deque
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from kvtransfer.messages import Abort, Error, Heartbeat, KVReady, Message, Token, TokenBatch
+from kvtransfer.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch
+from kvtransfer.node_messages import token_event
 from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from kvtransfer.router_link import RouterLink
 
@@ -153,11 +154,7 @@ class DecodeNode:
 
     # ---- decode -----------------------------------------------------------------------------
     def _step(self) -> None:
-        tokens = [
-            Token(request_id=r.request_id, index=r.num_output_tokens - 1, token_id=r.output_token_ids[-1],
-                  logprobs=r.output_logprobs[-1] if r.output_logprobs else None, finish_reason=r.finish_reason)
-            for r in self.engine.step_requests()
-        ]
+        tokens = [token_event(r) for r in self.engine.step_requests()]
         if tokens:
             self.link.send(TokenBatch(node_id=self.node_id, tokens=tokens))
 

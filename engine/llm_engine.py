@@ -115,6 +115,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def warm_up(self) -> None:
+        """Run one tiny request (a prefill and a decode step) so that lazy start-up costs (allocator
+        growth, kernel compilation, a CUDA context) do not land on the first real request. The
+        counters it moved are put back, so metrics show real traffic only."""
+        bm, sched = self.block_manager, self.scheduler
+        saved = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
+        self.add_request([0, 1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                         request_id="pdserve-warm-up")
+        while self.has_unfinished():
+            self.step_requests()
+        bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions = saved
+
     # ---- one iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs for requests that finished in it."""

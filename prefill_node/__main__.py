@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.cli import build_engine, install_stop_handlers, served_name
+    from kvtransfer.node_messages import kv_layout, register_message
     from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, serve_node
-    from prefill_node.node import PrefillNode, kv_layout, register_message, warm_up
+    from prefill_node.node import PrefillNode
 
     stop = install_stop_handlers()
     node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = build_engine(args, kv_allocator=allocator)
     link = RouterLink(args.router, register_message(node_id, args.role, engine, name))
-    node = PrefillNode(engine, link, role=args.role, served_model_name=name)
+    node = PrefillNode(engine, link, role=args.role)
     status.status_fn, status.metrics_fn = node.status, node.metrics.render
     link.register_msg.metrics_url = status.url
     if args.role == "prefill":
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         node.sender = KVSender(node_id, kv_layout(engine, name), engine.runner.kv_buffer, node._release,
                                lease_s=args.lease_s, shm_pool=shm_pool)
         node.sender.on_error = node._handoff_failed
-    warm_up(engine)
+    engine.warm_up()
     status.ready = True
     logger.info("%s ready (status %s), registering with %s", node_id, status.url, args.router)
     try:

@@ -29,23 +29,22 @@ from kvtransfer.messages import (
     Error,
     FirstToken,
     Heartbeat,
-    KVLayout,
     KVReady,
     Message,
     PrefillRequest,
-    Register,
     Token,
     TokenBatch,
 )
+from kvtransfer.node_messages import token_event
 from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot, engine_snapshot
-from kvtransfer.router_link import RouterLink, host_id
+from kvtransfer.router_link import RouterLink
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillNode:
     def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill", sender=None,
-                 served_model_name: str = "", metrics: NodeMetrics | None = None) -> None:
+                 metrics: NodeMetrics | None = None) -> None:
         self.engine = engine
         self.link = link
         self.role = role  # "prefill", or "both" for the colocated comparison mode
@@ -105,7 +104,7 @@ class PrefillNode:
         for request in stepped:
             rid = request.request_id
             if rid in self.colocated:
-                tokens.append(_token(request))
+                tokens.append(token_event(request))
                 if request.is_finished:
                     self.colocated.discard(rid)
                 continue
@@ -181,37 +180,3 @@ class PrefillNode:
         sender = self.sender
         return engine_snapshot(self.engine, num_bytes_sent=sender.num_bytes_sent if sender else 0,
                                num_leases=sender.num_held if sender else 0)
-
-
-def warm_up(engine: LLMEngine) -> None:
-    """Run one tiny request (a prefill and a decode step) before the node reports ready, so lazy
-    start-up costs (allocator growth, kernel compilation, CUDA context) do not land on the first real
-    request. The counters it moved are put back: the metrics show real traffic only."""
-    bm, sched = engine.block_manager, engine.scheduler
-    saved = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
-    engine.add_request([0, 1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-                       request_id="pdserve-warm-up")
-    while engine.has_unfinished():
-        engine.step_requests()
-    bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions = saved
-
-
-def _token(request: Request) -> Token:
-    logprobs = request.output_logprobs[-1] if request.output_logprobs else None
-    return Token(request_id=request.request_id, index=request.num_output_tokens - 1,
-                 token_id=request.output_token_ids[-1], logprobs=logprobs, finish_reason=request.finish_reason)
-
-
-def kv_layout(engine: LLMEngine, served_model_name: str, **extra) -> KVLayout:
-    mc = engine.model_config
-    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
-    return KVLayout(model=served_model_name, dtype=dtype, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-                    head_dim=mc.head_dim, block_size=engine.config.block_size,
-                    num_blocks=engine.block_manager.num_blocks, **extra)
-
-
-def register_message(node_id: str, role: str, engine: LLMEngine, served_model_name: str, kv_addr: str = "",
-                     metrics_url: str = "") -> Register:
-    return Register(node_id=node_id, role=role, model=served_model_name, kv_addr=kv_addr, metrics_url=metrics_url,
-                    num_total_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
-                    max_model_len=engine.config.max_model_len, host_id=host_id(), pid=os.getpid())

@@ -106,16 +106,17 @@ def make_engine(model_dir):
 
 def test_handoff_moves_node_metrics(tiny_llama, no_leak):
     from decode_node.node import DecodeNode
+    from kvtransfer.node_messages import kv_layout, register_message
     from kvtransfer.receiver import KVReceiver
     from kvtransfer.sender import KVSender
-    from prefill_node.node import PrefillNode, kv_layout, register_message, warm_up
+    from prefill_node.node import PrefillNode
 
     router = zmq.Context.instance().socket(zmq.ROUTER)  # stands in for the router: takes what nodes send
     router.bind("tcp://127.0.0.1:*")
     addr = router.getsockopt_string(zmq.LAST_ENDPOINT)
     pe, de = make_engine(tiny_llama), make_engine(tiny_llama)
     for engine in (pe, de):
-        warm_up(engine)
+        engine.warm_up()
         assert engine.block_manager.num_prefix_queries == 0 and engine.block_manager.num_used_blocks == 0
     prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")))
     prefill.sender = KVSender("p0", kv_layout(pe, "tiny"), pe.runner.kv_buffer, prefill._release)
