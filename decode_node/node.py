@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 class DecodeNode:
     def __init__(self, engine: LLMEngine, link: RouterLink, receiver, *, kv_pull_delay_s: float = 0.0,
+                 max_queue_len: int = 1024, step_delay_s: float = 0.0,
                  metrics: NodeMetrics | None = None) -> None:
         self.engine = engine
         self.link = link
@@ -45,6 +46,8 @@ class DecodeNode:
         self.kv_pull_delay_s = kv_pull_delay_s  # test knob: simulates a slow network before each pull
         self.timings: deque[dict] = deque(maxlen=1024)
         self.draining = False
+        self.step_delay_s = step_delay_s  # test knob: a slower device (sleeps before each engine step)
+        self.max_queue_len = max_queue_len  # requests announced, waiting for blocks; past it, refused
         self.pull_started: dict[str, float] = {}  # request id → monotonic time of receiver.pull
         self.num_kv_bytes_received = 0  # by either path (the receiver counts only ZMQ bytes)
         self._kv_bytes_per_token = engine.model_config.kv_elements_per_token * engine.runner.kv_buffer.element_size()
@@ -104,6 +107,11 @@ class DecodeNode:
                                  retryable=True))
 
     def _on_ready(self, ready: KVReady) -> None:
+        if len(self.waiting_for_kv) >= self.max_queue_len:  # the prefill node frees, the router retries
+            error = f"decode queue full ({self.max_queue_len} waiting for KV)"
+            self.receiver.release(ready.request_id, error=error)
+            self.link.send(Error(request_id=ready.request_id, node_id=self.node_id, message=error, retryable=True))
+            return
         try:
             params = SamplingParams.from_dict(ready.sampling)
             request = Request(ready.request_id, list(ready.prompt_token_ids), params, priority=ready.priority)
@@ -154,6 +162,8 @@ class DecodeNode:
 
     # ---- decode -----------------------------------------------------------------------------
     def _step(self) -> None:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         tokens = [token_event(r) for r in self.engine.step_requests()]
         if tokens:
             self.link.send(TokenBatch(node_id=self.node_id, tokens=tokens))

@@ -2,6 +2,7 @@
 
     pdserve chat      offline chat with a model (the default model unless --model)
     pdserve generate  offline completion of prompts given on the command line
+    pdserve router | prefill | decode | serve | bench | keys   (each loads its own module)
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status-port", type=int, default=0, help="GET /status (0 = a free port)")
     parser.add_argument("--advertise-host", default=None,
                         help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
+    parser.add_argument("--max-queue-len", type=int, default=1024,
+                        help="requests waiting on this node before new ones are refused (the router retries them)")
+    parser.add_argument("--drain-timeout", type=float, default=20.0,
+                        help="on SIGTERM, seconds to finish held requests before leaving (the router re-dispatches the rest)")
+    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                        help="authenticate and encrypt ZMQ traffic with the CURVE keys in DIR (`pdserve keys DIR`)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
     add_engine_args(parser)
 
 
@@ -67,6 +75,15 @@ def served_name(args: argparse.Namespace) -> str:
     from pathlib import Path
 
     return getattr(args, "served_model_name", None) or Path(str(args.model).rstrip("/")).name.removesuffix(".gguf")
+
+
+def load_curve_keys(args: argparse.Namespace):
+    """The CURVE keys named by --zmq-curve-keys (None without the flag)."""
+    if not getattr(args, "zmq_curve_keys", None):
+        return None
+    from kvtransfer.curve import CurveKeys
+
+    return CurveKeys.load(args.zmq_curve_keys)
 
 
 def install_stop_handlers() -> list[bool]:
@@ -158,6 +175,7 @@ _ROLE_COMMANDS = {
     "decode": "decode_node.__main__",
     "serve": "router.launcher",
     "bench": "benchmarks.bench_cli",
+    "keys": "kvtransfer.curve",
 }
 
 

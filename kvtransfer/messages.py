@@ -8,7 +8,7 @@ inside a message: they travel as separate ZMQ frames after a header message (`KV
 Who sends what (R = router, P = prefill node, D = decode node):
 
     P,D → R   Register, Heartbeat, Deregister
-    R → P     PrefillRequest                 R → P,D   Abort
+    R → P     PrefillRequest                 R → P,D   Abort, Reregister
     P → R     FirstToken, Error              D → R     TokenBatch, Error
     P → D     Handshake, KVReady, KVData     D → P     HandshakeAck, KVPull, LeaseRenew, KVDone
 """
@@ -54,6 +54,7 @@ class Register(Message):
     max_model_len: int = 0  # prompt + output tokens a request may hold on this node
     host_id: str = ""  # same-host probing hint (never trusted alone)
     pid: int = 0
+    max_num_seqs: int = 0  # requests the node runs at once (the router's queue limit counts beyond it)
 
 
 @dataclass
@@ -73,6 +74,16 @@ class Heartbeat(Message):
 class Deregister(Message):
     TYPE: ClassVar[str] = "deregister"
     node_id: str
+
+
+@dataclass
+class Reregister(Message):
+    """The router does not know the node (it restarted, or dropped the node for missed
+    heartbeats): register again. Whatever the node still holds, the router has re-dispatched or
+    forgotten; the next heartbeat's request_ids tell it what to abort."""
+
+    TYPE: ClassVar[str] = "reregister"
+    reason: str = ""
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -226,7 +237,7 @@ class KVDone(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, Heartbeat, Deregister, PrefillRequest, FirstToken, Token, TokenBatch, Abort, Error,
+    for cls in (Register, Heartbeat, Deregister, Reregister, PrefillRequest, FirstToken, Token, TokenBatch, Abort, Error,
                 KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
 }
 

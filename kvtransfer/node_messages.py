@@ -29,4 +29,5 @@ def register_message(node_id: str, role: str, engine, served_model_name: str, kv
                      metrics_url: str = "") -> Register:
     return Register(node_id=node_id, role=role, model=served_model_name, kv_addr=kv_addr, metrics_url=metrics_url,
                     num_total_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
-                    max_model_len=engine.config.max_model_len, host_id=host_id(), pid=os.getpid())
+                    max_model_len=engine.config.max_model_len, host_id=host_id(), pid=os.getpid(),
+                    max_num_seqs=engine.config.max_num_seqs)

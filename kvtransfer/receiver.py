@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from kvtransfer import cuda_ipc
+from kvtransfer.curve import CurveKeys
 from kvtransfer.messages import (
     Handshake,
     HandshakeAck,
@@ -78,7 +79,8 @@ class _Incoming:
 class KVReceiver:
     def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, *,
                  bind_addr: str = "tcp://127.0.0.1:0", pull_timeout_s: float = 30.0, enable_shm: bool = True,
-                 max_frame_bytes: int = KV_MAX_BYTES, clock: Callable[[], float] = time.monotonic):
+                 max_frame_bytes: int = KV_MAX_BYTES, clock: Callable[[], float] = time.monotonic,
+                 curve: CurveKeys | None = None):
         if tuple(kv_buffer.shape) != layout_shape(layout) or dtype_name(kv_buffer.dtype) != layout.dtype:
             raise ValueError(f"kv_buffer {kv_buffer.dtype}{tuple(kv_buffer.shape)} does not match {layout}")
         self.node_id = node_id
@@ -87,7 +89,7 @@ class KVReceiver:
         self.pull_timeout_s = pull_timeout_s
         self.enable_shm = enable_shm
         self.clock = clock
-        self.sock = make_socket(zmq.ROUTER, bind=bind_addr, max_msg_bytes=max_frame_bytes)
+        self.sock = make_socket(zmq.ROUTER, bind=bind_addr, max_msg_bytes=max_frame_bytes, curve=curve)
         self.kv_addr = endpoint(self.sock)
         self.num_shm_copies = 0
         self.num_zmq_pulls = 0

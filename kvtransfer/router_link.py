@@ -21,6 +21,7 @@ from kvtransfer.messages import (
     Message,
     MessageError,
     Register,
+    Reregister,
     decode,
 )
 
@@ -31,14 +32,23 @@ class RouterLink:
     """Heartbeats go out from a thread on their own socket, so a long forward pass (a big prefill
     chunk on a slow CPU) never makes the router think the node died. The loop only refreshes the
     load figures the thread sends (`maybe_heartbeat`); everything else uses the main socket from
-    the node's loop alone (ZMQ sockets are not thread-safe)."""
+    the node's loop alone (ZMQ sockets are not thread-safe).
+
+    Sends never block: while the router is down, ZMQ queues up to SEND_HWM messages for it and
+    drops the rest (tokens of requests a restarted router will not know anyway). A `Reregister`
+    from the router is answered here, in `poll`: the node registers again."""
+
+    SEND_HWM = 100_000
 
     def __init__(self, router_addr: str, register: Register, *, heartbeat_s: float = 1.0,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, curve=None) -> None:
         self.register_msg = register
         self.heartbeat_s = heartbeat_s
         self.router_addr = router_addr
         self.ctx = ctx or zmq.Context.instance()
+        self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate to a CURVE router
+        self.num_dropped = 0  # messages dropped because the router was unreachable
+        self.num_reregistered = 0
         self.sock = self._socket(register.node_id)
         self._last_refresh = 0.0
         self._latest: Heartbeat | None = None
@@ -51,11 +61,24 @@ class RouterLink:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, self.SEND_HWM)
+        if self.curve is not None:
+            from kvtransfer.curve import apply_client
+
+            apply_client(sock, self.curve)
         sock.connect(self.router_addr)
         return sock
 
-    def send(self, msg: Message) -> None:
-        self.sock.send(msg.encode(), copy=False)
+    def send(self, msg: Message) -> bool:
+        """Queue `msg` for the router; False (and the message dropped) when its queue is full."""
+        try:
+            self.sock.send(msg.encode(), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            self.num_dropped += 1
+            if self.num_dropped in (1, 10, 100) or self.num_dropped % 1000 == 0:
+                logger.warning("router unreachable: dropped %d messages (latest: %s)", self.num_dropped, msg.TYPE)
+            return False
 
     def register(self) -> None:
         self.send(self.register_msg)
@@ -88,7 +111,8 @@ class RouterLink:
             sock.close(linger=0)
 
     def poll(self, timeout_ms: int = 0) -> list[Message]:
-        """Messages from the router; garbage is logged and dropped."""
+        """Messages from the router for the node (a Reregister is handled here); garbage is
+        logged and dropped."""
         out: list[Message] = []
         if not self.sock.poll(timeout_ms):
             return out
@@ -98,9 +122,17 @@ class RouterLink:
             except zmq.Again:
                 return out
             try:
-                out.append(decode(frame))
+                msg = decode(frame)
             except MessageError as e:
                 logger.warning("dropped a malformed message from the router: %s", e)
+                continue
+            if isinstance(msg, Reregister):
+                if self.registered:  # not while draining: the node has left
+                    logger.info("the router does not know us (%s): registering again", msg.reason)
+                    self.num_reregistered += 1
+                    self.send(self.register_msg)
+            else:
+                out.append(msg)
 
     def close(self) -> None:
         self._stop.set()
@@ -193,19 +225,21 @@ def host_id() -> str:
     return f"{socket.gethostname()}:{boot}"
 
 
-def serve_node(node, link: RouterLink, *, stop_flag: list[bool]) -> None:
-    """A node's life: register, loop until asked to stop, then drain — deregister so the router
-    sends nothing new, finish what the node holds, and return. `stop_flag[0]` is set by the
-    caller's SIGTERM/SIGINT handler (sockets are only touched from this loop)."""
+def serve_node(node, link: RouterLink, *, stop_flag: list[bool], drain_timeout_s: float = 20.0) -> None:
+    """A node's life: register, loop until asked to stop, then drain: heartbeats say "not ready"
+    so the router sends nothing new, the node finishes what it holds (for at most
+    `drain_timeout_s`), then deregisters (the router re-dispatches anything left) and returns.
+    `stop_flag[0]` is set by the caller's SIGTERM/SIGINT handler (sockets are only touched from
+    this loop)."""
     link.register()
-    deregistered = False
+    drain_deadline = None
     while True:
         node.run_once()
         if stop_flag[0]:
-            if not deregistered:
+            if drain_deadline is None:
                 node.draining = True
-                link.deregister()
-                deregistered = True
+                drain_deadline = time.monotonic() + drain_timeout_s
                 logger.info("%s draining", link.register_msg.node_id)
-            if node.is_idle():
+            if node.is_idle() or time.monotonic() > drain_deadline:
+                link.deregister()
                 return

@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from kvtransfer import cuda_ipc
+from kvtransfer.curve import CurveKeys
 from kvtransfer.lease import LeaseTable
 from kvtransfer.messages import (
     Handshake,
@@ -65,7 +66,7 @@ class _Peer:
 class KVSender:
     def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, release: Callable[[str], None],
                  *, lease_s: float = 30.0, shm_pool: SharedKVPool | None = None, probe_token: str = "",
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, curve: CurveKeys | None = None):
         if tuple(kv_buffer.shape) != layout_shape(layout) or dtype_name(kv_buffer.dtype) != layout.dtype:
             raise ValueError(f"kv_buffer {kv_buffer.dtype}{tuple(kv_buffer.shape)} does not match {layout}")
         if shm_pool is not None:
@@ -85,6 +86,7 @@ class KVSender:
         self.num_pulls_served = 0
         self.num_bytes_sent = 0
         self._release_cb = release
+        self._curve = curve  # CURVE client keys for the connections to decode nodes
         self._leases = LeaseTable(self._released, lease_s, clock)
         self._requests: dict[str, tuple[_Peer, KVReady]] = {}
         self._peers: dict[tuple[str, str], _Peer] = {}  # (decode node id, kv addr) → peer
@@ -92,6 +94,17 @@ class KVSender:
         # A fresh identity per sender instance: a restarted prefill node is a new peer to the decode
         # node (new handshake), while a TCP reconnect of this one keeps its identity.
         self._identity = f"{node_id}/{secrets.token_hex(4)}".encode()
+        self._fault: tuple[str, int] | None = None  # see inject_fault
+        self._num_pulls = 0
+
+    def inject_fault(self, spec: str) -> None:
+        """Fault injection for tests and chaos runs: "drop:N" answers every Nth pull with nothing
+        (the decode node times out), "corrupt:N" sends every Nth payload one byte short (the
+        decode node refuses it). Either way the decode node gives up and the router retries."""
+        kind, _, every = spec.partition(":")
+        if kind not in ("drop", "corrupt") or not every.isdigit() or int(every) < 1:
+            raise ValueError(f"bad fault spec {spec!r}: expected drop:N or corrupt:N")
+        self._fault = (kind, int(every))
 
     # ---- the node's calls ---------------------------------------------------------------
     def send(self, decode_node_id: str, decode_kv_addr: str, ready: KVReady) -> None:
@@ -159,7 +172,8 @@ class KVSender:
     def _peer(self, decode_node_id: str, addr: str) -> _Peer:
         peer = self._peers.get((decode_node_id, addr))
         if peer is None:
-            sock = make_socket(zmq.DEALER, connect=addr, identity=self._identity, max_msg_bytes=CONTROL_MAX_BYTES)
+            sock = make_socket(zmq.DEALER, connect=addr, identity=self._identity, max_msg_bytes=CONTROL_MAX_BYTES,
+                               curve=self._curve)
             peer = _Peer(decode_node_id, addr, sock)
             self._peers[(decode_node_id, addr)] = peer
             self._poller.register(sock, zmq.POLLIN)
@@ -222,7 +236,14 @@ class KVSender:
         ready = self._requests[request_id][1]
         payload = gather_tokens(self.kv_buffer, ready.block_ids, ready.num_tokens)
         header = KVData(request_id, ok=True, dtype=self.layout.dtype, shape=list(payload.shape))
-        if self._send(peer, header, tensor_to_frame(payload)):
+        frame = tensor_to_frame(payload)
+        self._num_pulls += 1
+        if self._fault is not None and self._num_pulls % self._fault[1] == 0:
+            log.warning("injected fault: %s the KV of %s", self._fault[0], request_id)
+            if self._fault[0] == "drop":
+                return
+            frame = memoryview(frame).cast("B")[:-1]
+        if self._send(peer, header, frame):
             self.num_pulls_served += 1
             self.num_bytes_sent += payload.numel() * payload.element_size()
 

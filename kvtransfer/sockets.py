@@ -3,6 +3,7 @@
 A message on the wire is ``[identity (ROUTER only)] header *payload_frames``: the header is a
 msgpack `Message` (kvtransfer.messages), payload frames are raw bytes sent without copying.
 `recv_msg` raises `MessageError` for anything it cannot decode; callers log it and drop it.
+With `curve` keys a bound socket is a CURVE server and a connecting one a CURVE client (kvtransfer.curve).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 
 import zmq
 
+from kvtransfer.curve import CurveKeys, apply_client, apply_server
 from kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode
 
 CONTROL_MAX_BYTES = MAX_MESSAGE_BYTES  # a control socket never accepts a bigger frame
@@ -26,9 +28,13 @@ def context() -> zmq.Context:
 
 def make_socket(kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, max_msg_bytes: int = CONTROL_MAX_BYTES,
-                hwm: int = DEFAULT_HWM) -> zmq.Socket:
+                hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> zmq.Socket:
     """A socket with LINGER 0 and a bounded inbound frame size (a peer that sends a bigger frame is
-    disconnected by libzmq). ``bind="tcp://127.0.0.1:0"`` picks a free port: see `endpoint`."""
+    disconnected by libzmq). ``bind="tcp://127.0.0.1:0"`` picks a free port: see `endpoint`.
+    With `curve` it binds as a CURVE server (the process's ZAP authenticator started first) or
+    connects as a CURVE client; it must then do one of the two, not both."""
+    if curve is not None and (bind is None) == (connect is None):
+        raise ValueError("a CURVE socket either binds (server) or connects (client)")
     sock = context().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
@@ -40,6 +46,8 @@ def make_socket(kind: int, *, bind: str | None = None, connect: str | None = Non
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer raises instead of a silent drop
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its identity back
     try:
+        if curve is not None:
+            (apply_server if bind is not None else apply_client)(sock, curve)
         if bind is not None:
             sock.bind(_wildcard_port(bind))
         if connect is not None:

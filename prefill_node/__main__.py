@@ -19,6 +19,8 @@ def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
                    help="'both': prefill and decode its own requests (the colocated mode)")
     p.add_argument("--lease-s", type=float, default=30.0, help="how long handed-off KV stays pinned")
     p.add_argument("--no-shm", action="store_true", help="disable the same-host shared-memory KV path")
+    # tests and chaos runs: "drop:N" / "corrupt:N" spoils every Nth KV payload sent over ZMQ
+    p.add_argument("--inject-kv-fault", default=None, help=argparse.SUPPRESS)
     add_node_args(p)
     return p
 
@@ -28,12 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    from engine.cli import build_engine, install_stop_handlers, served_name
+    from engine.cli import build_engine, install_stop_handlers, load_curve_keys, served_name
     from kvtransfer.node_messages import kv_layout, register_message
     from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, serve_node
     from prefill_node.node import PrefillNode
 
     stop = install_stop_handlers()
+    curve = load_curve_keys(args)
     node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
     # Up before the model loads: /health answers 503 until warm-up is done.
     status = StatusServer(args.host, args.status_port, advertise_host=advertise_host(args.host, args.advertise_host),
@@ -56,21 +59,24 @@ def main(argv: list[str] | None = None) -> int:
             return shm_pool.tensor
 
     engine = build_engine(args, kv_allocator=allocator)
-    link = RouterLink(args.router, register_message(node_id, args.role, engine, name))
-    node = PrefillNode(engine, link, role=args.role)
+    link = RouterLink(args.router, register_message(node_id, args.role, engine, name), curve=curve)
+    node = PrefillNode(engine, link, role=args.role, max_queue_len=args.max_queue_len,
+                       step_delay_s=args.step_delay_s)
     status.status_fn, status.metrics_fn = node.status, node.metrics.render
     link.register_msg.metrics_url = status.url
     if args.role == "prefill":
         from kvtransfer.sender import KVSender
 
         node.sender = KVSender(node_id, kv_layout(engine, name), engine.runner.kv_buffer, node._release,
-                               lease_s=args.lease_s, shm_pool=shm_pool)
+                               lease_s=args.lease_s, shm_pool=shm_pool, curve=curve)
         node.sender.on_error = node._handoff_failed
+        if args.inject_kv_fault:
+            node.sender.inject_fault(args.inject_kv_fault)
     engine.warm_up()
     status.ready = True
     logger.info("%s ready (status %s), registering with %s", node_id, status.url, args.router)
     try:
-        serve_node(node, link, stop_flag=stop)
+        serve_node(node, link, stop_flag=stop, drain_timeout_s=args.drain_timeout)
     finally:
         for closer in (node.sender, link, status, shm_pool):
             if closer is not None:

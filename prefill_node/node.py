@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 class PrefillNode:
     def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill", sender=None,
+                 max_queue_len: int = 1024, step_delay_s: float = 0.0,
                  metrics: NodeMetrics | None = None) -> None:
         self.engine = engine
         self.link = link
@@ -54,6 +55,8 @@ class PrefillNode:
         self.colocated: set[str] = set()
         self.timings: deque[dict] = deque(maxlen=1024)  # recent per-request timestamps (status endpoint)
         self.draining = False
+        self.step_delay_s = step_delay_s  # test knob: a slower device (sleeps before each engine step)
+        self.max_queue_len = max_queue_len  # requests waiting to be scheduled; past it, new ones are refused
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, role)
         self.metrics.watch(self.metrics_snapshot)
 
@@ -80,6 +83,10 @@ class PrefillNode:
             logger.warning("prefill node: unexpected %s from the router", msg.TYPE)
 
     def _admit(self, msg: PrefillRequest) -> None:
+        if len(self.engine.scheduler.waiting) >= self.max_queue_len:  # the router retries it elsewhere
+            self.link.send(Error(request_id=msg.request_id, node_id=self.node_id, retryable=True,
+                                 message=f"prefill queue full ({self.max_queue_len} waiting)"))
+            return
         try:
             params = SamplingParams.from_dict(msg.sampling)
             self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id, priority=msg.priority)
@@ -99,6 +106,8 @@ class PrefillNode:
 
     # ---- one engine step --------------------------------------------------------------------
     def _step(self) -> None:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         stepped = self.engine.step_requests()
         tokens: list[Token] = []
         for request in stepped:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from aiohttp import web
@@ -23,6 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="seconds without a heartbeat before a node is dropped")
     p.add_argument("--prefix-affinity", action="store_true", help="route equal prompt prefixes to the same prefill node")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted (0 = never)")
+    p.add_argument("--max-retries", type=int, default=3,
+                   help="re-dispatches of a request whose node died or whose KV transfer failed, before an error")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests queued per node (beyond what it runs) before new ones get 429 + Retry-After")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY; none = open)")
+    p.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                   help="authenticate and encrypt the control socket with the CURVE keys in DIR (`pdserve keys DIR`)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -48,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.cli import load_curve_keys
+
     router = Router(load_tokenizer(args.model), args.served_model_name or default_served_name(args.model),
                     control_addr=args.control_addr, heartbeat_timeout_s=args.heartbeat_timeout,
-                    prefix_affinity=args.prefix_affinity, request_timeout_s=args.request_timeout or None)
-    app = create_app(router)
+                    prefix_affinity=args.prefix_affinity, request_timeout_s=args.request_timeout or None,
+                    max_retries=args.max_retries, max_queue=args.max_queue, curve=load_curve_keys(args))
+    app = create_app(router, api_key=args.api_key or None)
 
     async def start(_app: web.Application) -> None:
         await router.start()

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-args", default="", help="extra flags for prefill nodes, e.g. '--max-num-seqs 64'")
     p.add_argument("--decode-args", default="", help="extra flags for decode nodes")
     p.add_argument("--router-args", default="", help="extra flags for the router")
+    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (passed to the router)")
+    p.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                   help="CURVE-encrypt router/node and KV traffic with the keys in DIR (created if missing)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--demo", action="store_true", help="once ready, ask the model one chat question and print it")
     p.add_argument("--log-level", default="INFO")
@@ -49,12 +52,15 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[str, li
     common = ["--model", args.model, "--dtype", args.dtype, "--log-level", args.log_level, *engine_argv]
     if args.served_model_name:
         common += ["--served-model-name", args.served_model_name]
+    secure = ["--zmq-curve-keys", args.zmq_curve_keys] if args.zmq_curve_keys else []
+    common += secure
     roles = [("both", args.num_nodes)] if args.colocated else [("prefill", args.num_prefill), ("decode", args.num_decode)]
     num_nodes = sum(n for _, n in roles)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_nodes)
     procs = [("router", py + ["router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
                               "--model", args.model, *(["--served-model-name", args.served_model_name]
                                                        if args.served_model_name else []),
+                              *secure, *(["--api-key", args.api_key] if args.api_key else []),
                               *shlex.split(args.router_args)])]
     for role, count in roles:
         module = "decode_node" if role == "decode" else "prefill_node"
@@ -101,13 +107,13 @@ def stop_all(procs: list[tuple[str, subprocess.Popen]], timeout: float = 30.0) -
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def demo_chat(url: str) -> None:
+def demo_chat(url: str, api_key: str | None = None) -> None:
     """One chat request through the stack, printed the way a user would see it."""
     import json
 
     body = {"messages": [{"role": "user", "content": DEMO_QUESTION}], "max_tokens": 64, "temperature": 0}
-    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             answer = json.loads(r.read())["choices"][0]["message"]["content"]
@@ -124,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import resolve_model
 
     resolve_model(args.model)  # fetch/convert once here, not in every node at the same time
+    if args.zmq_curve_keys and not os.path.exists(os.path.join(args.zmq_curve_keys, "server.key_secret")):
+        from kvtransfer.curve import generate_keys
+
+        generate_keys(args.zmq_curve_keys)
     procs: list[tuple[str, subprocess.Popen]] = []
     stopping = [False]
 
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve is ready: {url}/v1 (model {args.served_model_name or args.model}); Ctrl-C stops it",
               flush=True)
         if args.demo:
-            demo_chat(url)
+            demo_chat(url, args.api_key)
         while not stopping[0]:
             dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
             if dead:

@@ -9,6 +9,7 @@ When each is recorded, and why there:
     first token delivered    TTFT and its split by stage, prompt tokens   (once per request)
     request ended            e2e latency, TPOT, ITL, generation tokens, success by finish reason
     error returned           errors by HTTP status (a 4xx/5xx response or an SSE error event)
+    request re-dispatched    retries (a node died, a KV transfer failed)
     scrape                   requests in flight, live nodes per role      (read from the router)
 
 ITL is observed from `RequestTiming.token_times` when the request ends, not per token: the
@@ -57,6 +58,8 @@ class RouterMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests prefilled", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens delivered to clients",
                                          registry=r)
+        self.retries = Counter("pdserve_request_retries", "Requests re-dispatched after a node died or a KV "
+                               "transfer failed", registry=r)
 
     def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """Scrape-time gauges: requests in flight, and (role, ready) of every live node."""
@@ -91,6 +94,9 @@ class RouterMetrics:
             self.e2e.observe(t.finished - t.arrival)
         if num_out >= 2:
             self.tpot.observe((t.token_times[-1] - t.token_times[0]) / (num_out - 1))
+
+    def observe_retry(self) -> None:
+        self.retries.inc()
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(code=str(status)).inc()

@@ -11,6 +11,12 @@ Load signals, and why they are mixed the way they are:
   what other routers sent, so the larger of the two is used.
 - decode: free KV blocks. The heartbeat is the truth but up to a second old, so the blocks of
   requests dispatched since that heartbeat are subtracted as an estimate (reset on each heartbeat).
+
+Queue limits (overload). A prefill node is saturated when `max_queue` of this router's requests
+wait for their first token on it; a decode node when it holds `max_queue` requests beyond its
+`max_num_seqs`. New requests only go to unsaturated nodes; when every ready node of a role is
+saturated, `route` raises `OverloadedError` (the client gets 429 + Retry-After). A re-dispatched
+request (its node died) ignores the limits: it is already streaming.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
 AFFINITY_PREFIX_LEN = 64  # prompt tokens hashed for prefix affinity
 DEFAULT_BLOCK_SIZE = 16  # for the block estimate when a node did not say
+DEFAULT_MAX_NUM_SEQS = 256  # a node's running batch, when it did not say
+DEFAULT_MAX_QUEUE = 256  # requests queued per node beyond what it runs
 
 
 @dataclass
@@ -65,6 +73,12 @@ class NodeInfo:
     def estimate_blocks(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / (self.register.block_size or DEFAULT_BLOCK_SIZE))
 
+    def is_saturated(self, role: str, max_queue: int) -> bool:
+        """Past its queue limit in `role` ("prefill" or "decode"; a "both" node is checked for both)."""
+        if role == "prefill":
+            return len(self.outstanding_prompt_tokens) >= max_queue
+        return len(self.request_ids) >= (self.register.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + max_queue
+
 
 def node_summary(node: NodeInfo) -> dict:
     hb = node.heartbeat
@@ -93,10 +107,15 @@ class NoNodeError(LookupError):
     """No ready node of a role: the request gets a 503."""
 
 
+class OverloadedError(LookupError):
+    """Every ready node of a role is past its queue limit: the request gets a 429."""
+
+
 class Registry:
     def __init__(self, heartbeat_timeout_s: float = 5.0, *, prefix_affinity: bool = False,
-                 affinity_slack_tokens: int = 2048) -> None:
+                 affinity_slack_tokens: int = 2048, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_queue = max_queue
         self.prefix_affinity = prefix_affinity
         self.affinity_slack_tokens = affinity_slack_tokens  # extra load a node may carry and still win by affinity
         self.nodes: dict[str, NodeInfo] = {}
@@ -139,25 +158,21 @@ class Registry:
         return min(lens) if lens else None
 
     # ---- routing ------------------------------------------------------------------------------
-    def route(self, prompt_token_ids: Sequence[int], max_tokens: int) -> Route:
-        """Pick the nodes for a request; raises NoNodeError naming the missing role.
+    def route(self, prompt_token_ids: Sequence[int], max_tokens: int, *, ignore_limits: bool = False) -> Route:
+        """Pick the nodes for a request; raises NoNodeError or OverloadedError naming the role.
 
         A "both" node chosen for prefill decodes the request too: moving KV off a node that can
         decode it itself only costs a transfer. Otherwise the decode node is the one with the most
         free blocks (ties: fewest running, then node id, so the choice is deterministic)."""
-        prefill = self.pick_prefill(prompt_token_ids)
+        prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits)
         if prefill.role == "both":
             return Route(prefill, None)
-        decoders = self.ready_nodes(DECODE_ROLES)
-        if not decoders:
-            raise NoNodeError("decode")
+        decoders = self._candidates(DECODE_ROLES, "decode", ignore_limits)
         decode = min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
         return Route(prefill, decode)
 
-    def pick_prefill(self, prompt_token_ids: Sequence[int]) -> NodeInfo:
-        candidates = self.ready_nodes(PREFILL_ROLES)
-        if not candidates:
-            raise NoNodeError("prefill")
+    def pick_prefill(self, prompt_token_ids: Sequence[int], *, ignore_limits: bool = False) -> NodeInfo:
+        candidates = self._candidates(PREFILL_ROLES, "prefill", ignore_limits)
         least = min(n.prefill_load for n in candidates)
         if not self.prefix_affinity:
             return min(candidates, key=lambda n: (n.prefill_load, n.node_id))
@@ -166,6 +181,20 @@ class Registry:
         near = [n for n in candidates if n.prefill_load <= least + self.affinity_slack_tokens]
         prefix = bytes(str(list(prompt_token_ids[:AFFINITY_PREFIX_LEN])), "ascii")
         return max(near, key=lambda n: hashlib.blake2b(prefix + n.node_id.encode(), digest_size=8).digest())
+
+    def _candidates(self, roles: Sequence[str], role: str, ignore_limits: bool) -> list[NodeInfo]:
+        ready = self.ready_nodes(roles)
+        if not ready:
+            raise NoNodeError(role)
+        if ignore_limits:
+            return ready
+        # A "both" node prefills and decodes what it takes: both of its queues must have room.
+        checks = ("prefill", "decode") if role == "prefill" else ("decode",)
+        free = [n for n in ready if not any(n.is_saturated(c, self.max_queue)
+                                            for c in checks if n.role in (c, "both"))]
+        if not free:
+            raise OverloadedError(role)
+        return free
 
     # ---- per-request accounting --------------------------------------------------------------
     def add_request(self, route: Route, request_id: str, prompt_len: int, max_tokens: int) -> None:

@@ -16,11 +16,18 @@ Tokens carry their output index. The first token comes from the prefill node and
 from the decode node, on different sockets, so they may arrive in any order: each is buffered
 until every token before it is in, then fed to the detokenizer in order. A token at or past an
 index already delivered, or past max_tokens, is a duplicate or a bug and is dropped.
+
+Attempts. When a node holding the request dies (or a KV transfer fails) the router re-dispatches
+it: attempt k+1 is a new request on the nodes, with its own wire id (`wire_id`), whose prompt is
+the original prompt plus every token delivered so far and whose max_tokens is what is left. Its
+output index 0 is the request's index `index_offset`; tokens of earlier attempts carry a wire id
+the router no longer knows, so a late one from a dying node cannot slip into the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from collections.abc import Sequence
@@ -107,6 +114,34 @@ class RouterRequest:
         self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
         self._pending: dict[int, Token] = {}  # out-of-order tokens, by output index
         self._num_logprob_chars = 0
+        self.attempt = 0  # re-dispatches so far
+        self.index_offset = 0  # output tokens delivered before the current attempt started
+        self.last_listed = time.monotonic()  # a node's heartbeat last listed the current attempt
+
+    @property
+    def wire_id(self) -> str:
+        """The id the nodes know the current attempt by."""
+        return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
+
+    @property
+    def attempt_started(self) -> bool:
+        """The current attempt's first token has been delivered (its prefill is over)."""
+        return len(self.output_token_ids) > self.index_offset
+
+    def next_attempt(self) -> tuple[list[int], SamplingParams]:
+        """Start a new attempt; returns what to send the nodes: the prompt plus the tokens
+        delivered so far, and the sampling parameters with the tokens left to generate."""
+        self.attempt += 1
+        self.index_offset = len(self.output_token_ids)
+        self._pending.clear()  # the old attempt's out-of-order tokens; the new one resends them
+        self.prefill_node_id = self.decode_node_id = ""
+        self.last_listed = time.monotonic()
+        return self.attempt_prompt()
+
+    def attempt_prompt(self) -> tuple[list[int], SamplingParams]:
+        left = self.sampling.max_tokens - self.index_offset
+        return (self.prompt_token_ids + self.output_token_ids,
+                dataclasses.replace(self.sampling, max_tokens=left) if self.index_offset else self.sampling)
 
     @property
     def node_ids(self) -> list[str]:
@@ -115,16 +150,20 @@ class RouterRequest:
 
     def mark_dispatched(self, prefill_node_id: str, decode_node_id: str) -> None:
         self.prefill_node_id, self.decode_node_id = prefill_node_id, decode_node_id
-        self.status = RequestStatus.PREFILLING
-        self.timing.dispatched = time.monotonic()
+        if self.status == RequestStatus.WAITING:
+            self.status = RequestStatus.PREFILLING
+        if self.timing.dispatched is None:  # the first attempt's, for the TTFT split
+            self.timing.dispatched = time.monotonic()
 
     def receive(self, token: Token) -> Delta | None:
-        """Buffer one token; returns what became deliverable in order (None when nothing did)."""
+        """Buffer one token of the current attempt; returns what became deliverable in order
+        (None when nothing did)."""
         index = len(self.output_token_ids)
-        if (self.status.is_done or token.index < index or token.index >= self.sampling.max_tokens
-                or token.index in self._pending):
+        at = token.index + self.index_offset  # the token's index in the whole output
+        if (self.status.is_done or token.index < 0 or at < index or at >= self.sampling.max_tokens
+                or at in self._pending):
             return None
-        self._pending[token.index] = token
+        self._pending[at] = token
         delta = Delta()
         while not self.status.is_done and index in self._pending:
             self._accept(self._pending.pop(index), delta)

@@ -5,23 +5,35 @@ Each ZMQ message is [identity, kvtransfer.messages.encode(msg)]; nodes connect D
 whose identity is their node_id. What the router does with each message:
 
     Register    add the node (replace an entry with the same node_id; if its pid changed the old
-                process is gone, so its requests fail). Not eligible until a heartbeat says ready.
-    Heartbeat   refresh liveness and load (free blocks, outstanding prompt tokens, ready)
-    Deregister  drop the node; its in-flight requests fail (503-style error)
+                process is gone, so its requests are re-dispatched). Eligible once a heartbeat says ready.
+    Heartbeat   refresh liveness and load (free blocks, outstanding prompt tokens, ready), and
+                reconcile: a request the node lists that the router does not place there is
+                aborted on it; a heartbeat from a node the router does not know gets Reregister
+    Deregister  drop the node (it drained first); anything it still held is re-dispatched
     FirstToken  output index 0 of a request: ends the prompt-token accounting on the prefill node
     TokenBatch  tokens with index >= 1; a token with finish_reason ends the request
-    Error       the request fails: 503 if `retryable`, else 500 (an error event once streaming)
+    Error       retryable (a KV transfer failed, a node is full): the request is re-dispatched;
+                otherwise it fails (500, or an error event once streaming)
     anything else, garbage, wrong frame count: logged and dropped
 
 and what it sends:
 
     PrefillRequest  to the chosen prefill node, naming the decode node ("" = decode it yourself)
     Abort           to every live node holding the request, when the client goes away, when a
-                    stop string ends it, when its deadline passes, and when one of its nodes
-                    fails (so the other releases its blocks)
+                    stop string ends it, when its deadline passes, when it is re-dispatched,
+                    and when a heartbeat lists a request the router does not place on that node
+    Reregister      to a node whose heartbeat the router does not recognise
 
-A node missing heartbeats for `heartbeat_timeout_s` is dropped like a Deregister.
-`self.metrics` (router/metrics.py) records a request's first token, its end and its errors.
+Failures and re-dispatch (see "Failure handling" in the README). A node is dead when it misses
+heartbeats for `heartbeat_timeout_s`, when it comes back with another pid, or when it
+deregisters still holding requests. Each request it held whose current attempt depends on it
+(it is the decode node, or the prefill node before the first token) is re-dispatched: a new
+attempt (request_state.py) with the prompt plus every token streamed so far, on live nodes,
+up to `max_retries` times; then the client gets an error. A request that no live node has listed
+in its heartbeats for `lost_after_s` (a message lost with a dying node) is re-dispatched too.
+When every ready node of a role is past its queue limit, a new request gets 429 + Retry-After.
+
+`self.metrics` (router/metrics.py) records a request's first token, its end, errors and retries.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from kvtransfer.messages import (
     MessageError,
     PrefillRequest,
     Register,
+    Reregister,
     Token,
     TokenBatch,
     decode,
@@ -52,23 +65,31 @@ from kvtransfer.messages import (
 )
 from router.metrics import RouterMetrics
 from router.openai_protocol import ParsedRequest, ProtocolError, parse_chat, parse_completion
-from router.registry import NodeInfo, NoNodeError, Registry
+from router.registry import DEFAULT_MAX_QUEUE, NodeInfo, NoNodeError, OverloadedError, Registry
 from router.request_state import RouterError, RouterRequest
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+DEFAULT_MAX_RETRIES = 3
+RETRY_AFTER_S = 1  # the Retry-After of a 429
 
 
 class Router:
     def __init__(self, tokenizer, served_model_name: str, *, control_addr: str = "tcp://127.0.0.1:0",
                  heartbeat_timeout_s: float = 5.0, prefix_affinity: bool = False,
-                 request_timeout_s: float | None = 600.0, metrics: RouterMetrics | None = None) -> None:
+                 request_timeout_s: float | None = 600.0, max_retries: int = DEFAULT_MAX_RETRIES,
+                 max_queue: int = DEFAULT_MAX_QUEUE, lost_after_s: float | None = None,
+                 curve=None, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
-        self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity)
+        self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity, max_queue=max_queue)
         self.request_timeout_s = request_timeout_s
-        self.requests: dict[str, RouterRequest] = {}  # in flight: dispatched and not ended
+        self.max_retries = max_retries
+        self.lost_after_s = lost_after_s if lost_after_s is not None else 2 * heartbeat_timeout_s
+        self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate and encrypt the control socket
+        self.requests: dict[str, RouterRequest] = {}  # in flight (dispatched, not ended), by wire id
+        self._reregister_sent: dict[str, float] = {}  # node id → when we last asked it to register
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.metrics.watch(lambda: len(self.requests),
                            lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
@@ -89,6 +110,10 @@ class Router:
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node takes its identity back
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + (64 << 10))  # bigger frames drop the peer
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:  # only nodes holding the cluster's keys get in (kvtransfer/curve.py)
+            from kvtransfer.curve import apply_server
+
+            apply_server(sock, self.curve)
         sock.bind(self._bind_addr)
         self._sock = sock
         self.control_addr = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -106,6 +131,10 @@ class Router:
         self._tasks = []
         if self._sock is not None:
             self._sock.close(linger=0)
+            if self.curve is not None:
+                from kvtransfer.curve import stop_authenticator
+
+                stop_authenticator(self._ctx)  # before term(), which would wait for it forever
             self._ctx.term()
             self._sock = self._ctx = None
 
@@ -119,23 +148,19 @@ class Router:
         return parse(body, self.tokenizer, self.served_model_name, self.registry.max_model_len())
 
     async def submit(self, request_id: str, parsed: ParsedRequest) -> RouterRequest:
-        """Pick the nodes and send the PrefillRequest; raises ProtocolError(503) when no node can take it."""
+        """Pick the nodes and send the PrefillRequest. Raises ProtocolError: 503 when no node can
+        take it, 429 (with Retry-After) when every node of a role is past its queue limit."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         req = RouterRequest(request_id, parsed.prompt_token_ids, parsed.sampling, self.tokenizer, deadline=deadline)
-        sampling = parsed.sampling
         try:
-            route = self.registry.route(req.prompt_token_ids, sampling.max_tokens)
+            route = self.registry.route(req.prompt_token_ids, req.sampling.max_tokens)
         except NoNodeError as e:
             raise ProtocolError(f"no ready {e} node is registered", status=503) from None
-        req.mark_dispatched(route.prefill.node_id, route.decode.node_id if route.decode else "")
-        self.requests[request_id] = req
-        self.registry.add_request(route, request_id, len(req.prompt_token_ids), sampling.max_tokens)
-        msg = PrefillRequest(request_id, req.prompt_token_ids, sampling.to_dict(), req.decode_node_id,
-                             route.decode.register.kv_addr if route.decode else "",
-                             arrival_time=req.timing.arrival_wall)
-        if not await self._send(route.prefill, msg):
-            self._forget(req)
-            raise ProtocolError(f"prefill node {route.prefill.node_id} is unreachable", status=503)
+        except OverloadedError as e:
+            raise ProtocolError(f"every {e} node is at its queue limit; retry later", status=429,
+                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        if not await self._dispatch(req, route):  # a failure ends up in req.deltas, like any other
+            await self._redispatch(req, f"prefill node {route.prefill.node_id} is unreachable")
         return req
 
     async def release(self, req: RouterRequest, reason: str = "client disconnected") -> None:
@@ -145,6 +170,42 @@ class Router:
             logger.info("aborting %s: %s", req.request_id, reason)
             await self._abort_nodes(req, reason)
         self._forget(req)
+
+    async def _dispatch(self, req: RouterRequest, route) -> bool:
+        """Send the current attempt to `route`; False when the prefill node cannot be reached."""
+        prompt, sampling = req.attempt_prompt()
+        req.mark_dispatched(route.prefill.node_id, route.decode.node_id if route.decode else "")
+        self.requests[req.wire_id] = req
+        self.registry.add_request(route, req.wire_id, len(prompt), sampling.max_tokens)
+        msg = PrefillRequest(req.wire_id, prompt, sampling.to_dict(), req.decode_node_id,
+                             route.decode.register.kv_addr if route.decode else "",
+                             arrival_time=req.timing.arrival_wall)
+        return await self._send(route.prefill, msg)
+
+    async def _redispatch(self, req: RouterRequest, reason: str) -> None:
+        """The current attempt is lost (a node died, a transfer failed): abort what is left of it
+        on live nodes and start the next attempt elsewhere, or fail the request past max_retries."""
+        while not req.status.is_done:
+            await self._abort_nodes(req, reason)
+            self._forget(req)
+            if req.attempt >= self.max_retries:
+                await self._fail(req, RouterError(f"{reason}; gave up after {req.attempt} retries", 503,
+                                                  "ServiceUnavailableError"))
+                return
+            req.next_attempt()
+            self.metrics.observe_retry()
+            logger.warning("re-dispatching %s as %s (%d tokens streamed): %s", req.request_id, req.wire_id,
+                           req.index_offset, reason)
+            prompt, sampling = req.attempt_prompt()
+            try:
+                route = self.registry.route(prompt, sampling.max_tokens, ignore_limits=True)
+            except NoNodeError as e:
+                await self._fail(req, RouterError(f"{reason}; no ready {e} node to retry on", 503,
+                                                  "ServiceUnavailableError"))
+                return
+            if await self._dispatch(req, route):
+                return
+            reason = f"prefill node {route.prefill.node_id} is unreachable"
 
     # ---- control socket ----------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -173,30 +234,56 @@ class Router:
         if msg.model and msg.model != self.served_model_name:
             logger.warning("node %s serves %r, the router serves %r", msg.node_id, msg.model, self.served_model_name)
         old = self.registry.register(msg, identity)
-        logger.info("node %s registered (role %s%s)", msg.node_id, msg.role, ", replacing" if old else "")
+        self._reregister_sent.pop(msg.node_id, None)
+        logger.info("node %s registered (role %s, pid %d%s)", msg.node_id, msg.role, msg.pid,
+                    ", replacing" if old else "")
         if old is None:
             return
         if old.register.pid == msg.pid:  # the same process reconnected: its requests live on
             new = self.registry.nodes[msg.node_id]
             new.request_ids, new.outstanding_prompt_tokens = old.request_ids, old.outstanding_prompt_tokens
         else:
-            await self._fail_node_requests(old, f"node {msg.node_id} restarted")
+            await self._node_lost(old, f"node {msg.node_id} restarted")
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
-        if not self.registry.heartbeat(msg):
-            logger.debug("heartbeat from unregistered node %s", msg.node_id)
+        node = self.registry.nodes.get(msg.node_id)
+        if node is None:
+            await self._ask_to_register(msg.node_id)
+            return
+        self.registry.heartbeat(msg)
+        now = time.monotonic()
+        for wire_id in msg.request_ids:
+            req = self.requests.get(wire_id)
+            if req is not None and wire_id in node.request_ids:
+                req.last_listed = now
+            elif req is None or node.node_id not in req.node_ids:
+                # Ended, re-dispatched, or from before a router restart: nobody wants its tokens.
+                await self._send(node, Abort(wire_id, "unknown to the router"))
+
+    async def _ask_to_register(self, node_id: str) -> None:
+        """A heartbeat from a node the router does not know: it was dropped (missed heartbeats) or
+        the router restarted. Ask it to register again (at most once per heartbeat timeout)."""
+        now = time.monotonic()
+        if now - self._reregister_sent.get(node_id, -1e9) < self.registry.heartbeat_timeout_s:
+            return
+        self._reregister_sent[node_id] = now
+        logger.info("heartbeat from unknown node %s: asking it to register", node_id)
+        try:
+            await self._sock.send_multipart([node_id.encode(), encode(Reregister("unknown node"))], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("cannot ask node %s to register: %s", node_id, e)
 
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         node = self.registry.remove(msg.node_id)
         if node is not None:
             logger.info("node %s deregistered", msg.node_id)
-            await self._fail_node_requests(node, f"node {msg.node_id} left")
+            await self._node_lost(node, f"node {msg.node_id} left")
 
     async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         req = self.requests.get(msg.request_id)
         if req is None:
             return  # aborted or ended already: a late token is expected, not an error
-        self.registry.first_token(req.prefill_node_id, req.request_id)
+        self.registry.first_token(req.prefill_node_id, req.wire_id)
         req.timing.prefill_queued_s, req.timing.prefill_s = msg.queued_s, msg.prefill_s
         req.timing.num_cached_tokens = msg.num_cached_tokens
         delivered_before = req.timing.first_token is not None  # a duplicate FirstToken is dropped
@@ -212,10 +299,12 @@ class Router:
 
     async def _on_error(self, identity: bytes, msg: Error) -> None:
         req = self.requests.get(msg.request_id)
-        if req is None:
-            return
-        status, kind = (503, "ServiceUnavailableError") if msg.retryable else (500, "InternalServerError")
-        await self._fail(req, RouterError(f"node {msg.node_id}: {msg.message}", status, kind))
+        if req is None or msg.node_id not in req.node_ids:
+            return  # an earlier attempt's, or a stranger's
+        if msg.retryable:
+            await self._redispatch(req, f"node {msg.node_id}: {msg.message}")
+        else:
+            await self._fail(req, RouterError(f"node {msg.node_id}: {msg.message}", 500, "InternalServerError"))
 
     # ---- request outcomes --------------------------------------------------------------------
     async def _deliver(self, req: RouterRequest, token: Token) -> None:
@@ -240,21 +329,27 @@ class Router:
         await self._abort_nodes(req, error.message)
         self._forget(req)
 
-    async def _fail_node_requests(self, node: NodeInfo, reason: str) -> None:
-        for request_id in list(node.request_ids):
-            req = self.requests.get(request_id)
-            if req is not None:
-                await self._fail(req, RouterError(reason, 503, "ServiceUnavailableError"))
+    async def _node_lost(self, node: NodeInfo, reason: str) -> None:
+        """`node` is gone (dead, restarted, left): re-dispatch every request whose current attempt
+        needs it. A prefill node is no longer needed once the attempt's first token is out: the KV
+        went to the decode node (if that hand-off fails, the decode node reports it)."""
+        for wire_id in list(node.request_ids):
+            req = self.requests.get(wire_id)
+            if req is None:
+                continue
+            if node.node_id == req.decode_node_id or not req.decode_node_id or not req.attempt_started:
+                await self._redispatch(req, reason)
 
     async def _abort_nodes(self, req: RouterRequest, reason: str) -> None:
         for node_id in req.node_ids:
             node = self.registry.nodes.get(node_id)
             if node is not None:  # a dropped node holds nothing worth aborting
-                await self._send(node, Abort(req.request_id, reason))
+                await self._send(node, Abort(req.wire_id, reason))
 
     def _forget(self, req: RouterRequest) -> None:
-        self.requests.pop(req.request_id, None)
-        self.registry.release_request(req.node_ids, req.request_id)
+        if self.requests.get(req.wire_id) is req:
+            del self.requests[req.wire_id]
+        self.registry.release_request(req.node_ids, req.wire_id)
 
     async def _send(self, node: NodeInfo, msg: Message) -> bool:
         # NOBLOCK: a node that stopped reading must not stall the router; the send fails instead.
@@ -278,8 +373,12 @@ class Router:
         for node in self.registry.expire():
             logger.warning("node %s missed heartbeats for %.1f s: dropped", node.node_id,
                            self.registry.heartbeat_timeout_s)
-            await self._fail_node_requests(node, f"node {node.node_id} stopped responding")
+            await self._node_lost(node, f"node {node.node_id} stopped responding")
         now = time.monotonic()
         for req in list(self.requests.values()):
+            if req.status.is_done:
+                continue
             if req.deadline is not None and now > req.deadline:
                 await self._fail(req, RouterError("the request timed out", 504, "TimeoutError"))
+            elif now - req.last_listed > self.lost_after_s:
+                await self._redispatch(req, f"no node has listed {req.wire_id} for {self.lost_after_s:g} s")

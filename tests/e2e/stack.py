@@ -18,7 +18,60 @@ from router.launcher import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class Stack:
+class HttpClient:
+    """Talk to a router over HTTP the way a client would (`self.url` is the router's)."""
+
+    url: str
+
+    def get(self, path: str) -> dict:
+        return self.get_url(self.url + path)
+
+    @staticmethod
+    def get_url(url: str) -> dict:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def stream(self, path: str, body: dict, timeout: float = 300):
+        """Yields (time.time(), event dict) for each SSE event until [DONE]; ConnectionError if the
+        stream ends without it (the server went away)."""
+        req = urllib.request.Request(self.url + path, json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return
+                yield time.time(), json.loads(line[6:])
+        raise ConnectionError("the stream ended without [DONE]")
+
+    def nodes(self) -> list[dict]:
+        return self.get("/nodes")["nodes"]
+
+    def node_status(self) -> list[dict]:
+        return [self.get_url(node["status_url"] + "/status") for node in self.nodes()]
+
+    def wait_idle(self, timeout: float = 60.0) -> list[dict]:
+        """Every node's status once none holds a block (or the last statuses at the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.node_status()
+            if all(s["num_used_blocks"] == 0 for s in status) or time.monotonic() > deadline:
+                return status
+            time.sleep(0.2)
+
+
+class Stack(HttpClient):
     def __init__(self, model: str, *, num_prefill: int = 1, num_decode: int = 1, colocated: bool = False,
                  num_nodes: int = 1, extra: list[str] = (), prefill_args: str = "", decode_args: str = "",
                  timeout: float = 240.0) -> None:
@@ -47,52 +100,6 @@ class Stack:
                 break
         self.close()
         raise RuntimeError("the stack did not start:\n" + "".join(self.log[-60:]))
-
-    # ---- HTTP -------------------------------------------------------------------------------
-    def get(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
-
-    def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"{}")
-
-    def stream(self, path: str, body: dict, timeout: float = 300):
-        """Yields (time.time(), event dict) for each SSE event until [DONE]."""
-        req = urllib.request.Request(self.url + path, json.dumps({**body, "stream": True}).encode(),
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    return
-                yield time.time(), json.loads(line[6:])
-
-    def nodes(self) -> list[dict]:
-        return self.get("/nodes")["nodes"]
-
-    def node_status(self) -> list[dict]:
-        out = []
-        for node in self.nodes():
-            with urllib.request.urlopen(node["status_url"] + "/status", timeout=10) as r:
-                out.append(json.loads(r.read()))
-        return out
-
-    def wait_idle(self, timeout: float = 60.0) -> list[dict]:
-        """Every node's status once none holds a block (or the last statuses at the timeout)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status = self.node_status()
-            if all(s["num_used_blocks"] == 0 for s in status) or time.monotonic() > deadline:
-                return status
-            time.sleep(0.2)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -3,7 +3,6 @@ generate in float32, KV leaves no block behind, first tokens do not wait for the
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import urllib.request
@@ -11,31 +10,16 @@ import urllib.request
 import pytest
 import torch
 
-from tests.conftest import save_tiny_model, save_tiny_tokenizer
+from tests.e2e.conftest import hf_greedy as _hf_greedy
+from tests.e2e.conftest import prompts
 from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-e2e")
-    model = save_tiny_model(path, "llama")
-    tokenizer = save_tiny_tokenizer(path)
-    return path, model, tokenizer
-
-
 def hf_greedy(model, prompt_ids, max_tokens=MAX_TOKENS):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_tokens, pad_token_id=258)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def prompts(n, seed=0, lo=1, hi=200):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return _hf_greedy(model, prompt_ids, max_tokens)
 
 
 def completion(stack, prompt, **kw):

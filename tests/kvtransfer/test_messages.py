@@ -21,6 +21,7 @@ EXAMPLES = [
     m.Heartbeat(node_id="d0", num_free_blocks=10, num_total_blocks=64, num_running=2, num_waiting=1,
                 num_outstanding_tokens=300, ready=True, request_ids=["a", "b"]),
     m.Deregister(node_id="p0"),
+    m.Reregister(reason="unknown node"),
     m.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 5, "stop": ["x"]},
                      decode_node_id="d0", decode_kv_addr="tcp://127.0.0.1:5", priority=1, arrival_time=1.5),
     m.FirstToken(request_id="r1", token_id=9, logprobs={9: -0.5}, finish_reason="length", num_prompt_tokens=3,
@@ -61,7 +62,8 @@ def test_round_trip(msg):
     (lambda d: d.update(lease_s=True), "expected float"),
 ])
 def test_malformed_fields_are_refused(mutate, match):
-    wire = msgpack.unpackb(EXAMPLES[12].encode(), strict_map_key=False)
+    kv_ready = next(e for e in EXAMPLES if isinstance(e, m.KVReady))
+    wire = msgpack.unpackb(kv_ready.encode(), strict_map_key=False)
     mutate(wire)
     with pytest.raises(m.MessageError, match=match):
         m.decode(msgpack.packb(wire))

@@ -28,6 +28,7 @@ from kvtransfer.messages import (
     Message,
     PrefillRequest,
     Register,
+    Reregister,
     Token,
     TokenBatch,
     decode,
@@ -45,7 +46,7 @@ class FakeNode:
                  vocab_size: int = 256, max_model_len: int = 256, num_total_blocks: int = 1000,
                  script: list[int] | None = None, token_delay_s: float = 0.0, first_token_delay_s: float = 0.0,
                  reverse_order: bool = False, fail: str | None = None, retryable: bool = False,
-                 heartbeat_interval_s: float = 0.05, ready: bool = True) -> None:
+                 heartbeat_interval_s: float = 0.05, ready: bool = True, max_num_seqs: int = 0) -> None:
         self.node_id, self.role = node_id, role
         self.cluster = cluster if cluster is not None else {}
         self.cluster[node_id] = self
@@ -58,6 +59,10 @@ class FakeNode:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.ready = ready
         self.heartbeating = True
+        self.max_num_seqs = max_num_seqs
+        self.pid = os.getpid()  # change it to look like a restarted process
+        self.reregisters = 0
+        self.swallow = 0  # PrefillRequests to drop without a trace (a message lost with a dying node)
         self.prefills: list[PrefillRequest] = []
         self.aborts: list[Abort] = []
         self.tasks: dict[str, asyncio.Task] = {}  # request_id -> its generation
@@ -71,9 +76,7 @@ class FakeNode:
         self._sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(control_addr)
-        await self.send(Register(self.node_id, self.role, "tiny", kv_addr=f"inproc://{self.node_id}-kv",
-                                 num_total_blocks=self.num_total_blocks, block_size=16,
-                                 max_model_len=self.max_model_len, pid=os.getpid()))
+        await self.register()
         self._loops = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
 
     async def close(self) -> None:
@@ -84,6 +87,11 @@ class FakeNode:
         if self._sock is not None:
             self._sock.close(linger=0)
         self._ctx.term()
+
+    async def register(self) -> None:
+        await self.send(Register(self.node_id, self.role, "tiny", kv_addr=f"inproc://{self.node_id}-kv",
+                                 num_total_blocks=self.num_total_blocks, block_size=16,
+                                 max_model_len=self.max_model_len, pid=self.pid, max_num_seqs=self.max_num_seqs))
 
     async def send(self, msg: Message) -> None:
         await self._sock.send(msg.encode())
@@ -103,7 +111,8 @@ class FakeNode:
         while True:
             if self.heartbeating:
                 await self.send(Heartbeat(self.node_id, self.num_total_blocks - 10 * len(self.tasks),
-                                          self.num_total_blocks, len(self.tasks), 0, ready=self.ready))
+                                          self.num_total_blocks, len(self.tasks), 0, ready=self.ready,
+                                          request_ids=list(self.tasks)))
             await asyncio.sleep(self.heartbeat_interval_s)
 
     async def _recv_loop(self) -> None:
@@ -111,7 +120,13 @@ class FakeNode:
             msg = decode(await self._sock.recv())
             if isinstance(msg, PrefillRequest):
                 self.prefills.append(msg)
+                if self.swallow:
+                    self.swallow -= 1
+                    continue
                 self._run(msg.request_id, self._prefill(msg))
+            elif isinstance(msg, Reregister):
+                self.reregisters += 1
+                await self.register()
             elif isinstance(msg, Abort):
                 self.aborts.append(msg)
                 task = self.tasks.pop(msg.request_id, None)
