@@ -80,7 +80,7 @@ class SharedKVPool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes + _TAIL_BYTES)
-            mem = mmap.mmap(fd, nbytes + _TAIL_BYTES)
+            mem = mmap.mmap(fd, nbytes + _TAIL_BYTES, flags=_MAP_FLAGS)
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -141,6 +141,11 @@ def open_peer_pool(layout: KVLayout, probe_token: str) -> torch.Tensor | None:
     return raw[:nbytes].view(dtype).view(shape)
 
 
+# Map every page at once: the pool is resident from the start, like a private pool (torch.zeros
+# touches its pages), so a node's RSS does not creep up as requests reach new blocks.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
 def _map_exact(path: str, size: int) -> mmap.mmap | None:
     """mmap an existing file of exactly `size` bytes (checked on the open fd, no TOCTOU)."""
     try:
@@ -151,7 +156,7 @@ def _map_exact(path: str, size: int) -> mmap.mmap | None:
         if os.fstat(fd).st_size != size:
             log.info("shm segment %s: size %d, expected %d", path, os.fstat(fd).st_size, size)
             return None
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, size, flags=_MAP_FLAGS)
     except OSError:
         return None
     finally:
