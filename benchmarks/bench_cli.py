@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.serve_bench.arrivals import parse_rate
+from benchmarks.serve_bench.chaos import ChaosConfig, chaos_report
 from benchmarks.serve_bench.client import EndpointConfig, auth_headers
 from benchmarks.serve_bench.datasets import (
     SampleRequest,
@@ -66,6 +67,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--return-token-ids", action="store_true", help="ask for vLLM's token_ids in each chunk")
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into each request")
     g.add_argument("--disable-tqdm", action="store_true")
+    g = p.add_argument_group("chaos (nodes on this machine; something must restart them, e.g. pdserve serve)")
+    g.add_argument("--chaos-interval", type=float, default=None, metavar="S",
+                   help="every S seconds kill -9 a random live node during the run, and report every request's fate")
+    g.add_argument("--chaos-roles", default="prefill,decode", help="roles to pick victims from")
+    g.add_argument("--chaos-max-faults", type=int, default=None, metavar="N", help="stop after N faults")
+    g.add_argument("--chaos-stall", type=float, default=0.0, metavar="S",
+                   help="freeze the victim (SIGSTOP) for S seconds instead of killing it")
     g = p.add_argument_group("results")
     g.add_argument("--percentiles", "--metric-percentiles", dest="percentiles", type=parse_percentiles,
                    default=[50.0, 90.0, 99.0], help="comma-separated (default 50,90,99)")
@@ -123,9 +131,13 @@ def run_rates(cfg: EndpointConfig, samples: list[SampleRequest], args: argparse.
     """One run per rate; Ctrl-C ends the current run (kept, marked interrupted) and skips the rest."""
     runs = []
     for i, rate in enumerate(rates):
+        chaos = None
+        if args.chaos_interval:
+            chaos = ChaosConfig(args.chaos_interval, tuple(args.chaos_roles.split(",")), args.chaos_stall, args.seed,
+                                args.chaos_max_faults)
         load = LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                           num_warmups=args.num_warmups if i == 0 else 0, seed=args.seed,
-                          disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout)
+                          disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout, chaos=chaos)
         runs.append(BenchmarkRun(request_rate=rate))
         try:
             asyncio.run(run_benchmark(cfg, samples, load, runs[-1]))
@@ -142,6 +154,8 @@ def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[BenchmarkRu
     for run, summary in results:
         title = f" Serving Benchmark Result (rate {rate_label(run.request_rate)}) "
         print_summary(summary, title=title, interrupted=run.interrupted, percentiles=args.percentiles)
+        if run.chaos is not None:
+            print(chaos_report(run.chaos, run.records))
     if len(results) > 1:
         print(sweep_table([(run.request_rate, s) for run, s in results]))
     if args.save_json:

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted (0 = never)")
     p.add_argument("--max-retries", type=int, default=3,
                    help="re-dispatches of a request whose node died or whose KV transfer failed, before an error")
+    p.add_argument("--retry-wait", type=float, default=30.0,
+                   help="seconds a re-dispatched request waits for a ready node before it fails (0 = fail at once)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests queued per node (beyond what it runs) before new ones get 429 + Retry-After")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
@@ -62,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(load_tokenizer(args.model), args.served_model_name or default_served_name(args.model),
                     control_addr=args.control_addr, heartbeat_timeout_s=args.heartbeat_timeout,
                     prefix_affinity=args.prefix_affinity, request_timeout_s=args.request_timeout or None,
-                    max_retries=args.max_retries, max_queue=args.max_queue, curve=load_curve_keys(args))
+                    max_retries=args.max_retries, retry_wait_s=args.retry_wait, max_queue=args.max_queue,
+                    curve=load_curve_keys(args))
     app = create_app(router, api_key=args.api_key or None)
 
     async def start(_app: web.Application) -> None:

@@ -1,6 +1,11 @@
 """`pdserve serve`: the local stack in one command — a router plus prefill and decode node
 processes (or `--colocated` nodes that do both), on free ports, stopped together on Ctrl-C or
-SIGTERM (nodes first, so they drain)."""
+SIGTERM (nodes first, so they drain).
+
+It also supervises them, as a container restart policy would: a process that dies is started
+again with the same arguments (a node re-registers, a router comes back on the same ports and
+the nodes re-register with it), unless it keeps dying (`MAX_RESTARTS` within `RESTART_WINDOW_S`),
+in which case the stack stops. `--no-restart` stops the stack at the first death instead."""
 
 from __future__ import annotations
 
@@ -35,8 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CURVE-encrypt router/node and KV traffic with the keys in DIR (created if missing)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--demo", action="store_true", help="once ready, ask the model one chat question and print it")
+    p.add_argument("--no-restart", action="store_true", help="stop the stack when a process dies instead of restarting it")
     p.add_argument("--log-level", default="INFO")
     return p
+
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for name, cmd in plan(args, engine_argv):
+        commands = plan(args, engine_argv)
+        for name, cmd in commands:
             procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
         url = f"http://{args.host}:{args.port}"
         if not wait_ready(url + "/health", [p for _, p in procs], args.ready_timeout):
@@ -153,11 +164,18 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if args.demo:
             demo_chat(url, args.api_key)
+        restarts: dict[str, list[float]] = {}
         while not stopping[0]:
-            dead = [(n, p.returncode) for n, p in procs if p.poll() is not None]
-            if dead:
-                print(f"pdserve serve: {dead} exited; stopping the stack", file=sys.stderr)
-                return 1
+            for i, (name, proc) in enumerate(procs):
+                if proc.poll() is None or stopping[0]:
+                    continue
+                recent = [t for t in restarts.get(name, []) if time.monotonic() - t < RESTART_WINDOW_S]
+                if args.no_restart or len(recent) >= MAX_RESTARTS:
+                    print(f"pdserve serve: {name} exited ({proc.returncode}); stopping the stack", file=sys.stderr)
+                    return 1
+                print(f"pdserve serve: {name} exited ({proc.returncode}); restarting it", file=sys.stderr, flush=True)
+                restarts[name] = [*recent, time.monotonic()]
+                procs[i] = (name, subprocess.Popen(dict(commands)[name], start_new_session=True))
             time.sleep(0.5)
         return 0
     finally:

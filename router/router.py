@@ -31,7 +31,9 @@ deregisters still holding requests. Each request it held whose current attempt d
 attempt (request_state.py) with the prompt plus every token streamed so far, on live nodes,
 up to `max_retries` times; then the client gets an error. A request that no live node has listed
 in its heartbeats for `lost_after_s` (a message lost with a dying node) is re-dispatched too.
-When every ready node of a role is past its queue limit, a new request gets 429 + Retry-After.
+When no node can take a re-dispatch, the request is parked (its stream pauses) until one is ready,
+for at most `retry_wait_s`. When every ready node of a role is past its queue limit, a new
+request gets 429 + Retry-After; with no ready node at all, 503.
 
 `self.metrics` (router/metrics.py) records a request's first token, its end, errors and retries.
 """
@@ -72,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
 DEFAULT_MAX_RETRIES = 3
+DEFAULT_RETRY_WAIT_S = 30.0  # how long a re-dispatch waits for a ready node before the request fails
 RETRY_AFTER_S = 1  # the Retry-After of a 429
 
 
@@ -80,18 +83,21 @@ class Router:
                  heartbeat_timeout_s: float = 5.0, prefix_affinity: bool = False,
                  request_timeout_s: float | None = 600.0, max_retries: int = DEFAULT_MAX_RETRIES,
                  max_queue: int = DEFAULT_MAX_QUEUE, lost_after_s: float | None = None,
+                 retry_wait_s: float = DEFAULT_RETRY_WAIT_S,
                  curve=None, metrics: RouterMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity, max_queue=max_queue)
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
+        self.retry_wait_s = retry_wait_s
+        self.parked: dict[str, tuple[RouterRequest, float, str]] = {}  # request id → (req, wait until, why)
         self.lost_after_s = lost_after_s if lost_after_s is not None else 2 * heartbeat_timeout_s
         self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate and encrypt the control socket
         self.requests: dict[str, RouterRequest] = {}  # in flight (dispatched, not ended), by wire id
         self._reregister_sent: dict[str, float] = {}  # node id → when we last asked it to register
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.metrics.watch(lambda: len(self.requests),
+        self.metrics.watch(lambda: len(self.requests) + len(self.parked),
                            lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
         self.control_addr = ""  # the bound address, once started
         self._bind_addr = control_addr
@@ -121,7 +127,7 @@ class Router:
         logger.info("router control socket bound at %s", self.control_addr)
 
     async def close(self) -> None:
-        for req in list(self.requests.values()):
+        for req in [*self.requests.values(), *(p[0] for p in self.parked.values())]:
             await self._fail(req, RouterError("the router is shutting down", 503, "ServiceUnavailableError"))
         for task in self._tasks:
             task.cancel()
@@ -184,7 +190,8 @@ class Router:
 
     async def _redispatch(self, req: RouterRequest, reason: str) -> None:
         """The current attempt is lost (a node died, a transfer failed): abort what is left of it
-        on live nodes and start the next attempt elsewhere, or fail the request past max_retries."""
+        on live nodes and start the next attempt elsewhere (parked until a node is ready, when
+        none is), or fail the request past max_retries."""
         while not req.status.is_done:
             await self._abort_nodes(req, reason)
             self._forget(req)
@@ -200,12 +207,40 @@ class Router:
             try:
                 route = self.registry.route(prompt, sampling.max_tokens, ignore_limits=True)
             except NoNodeError as e:
-                await self._fail(req, RouterError(f"{reason}; no ready {e} node to retry on", 503,
-                                                  "ServiceUnavailableError"))
+                await self._park(req, f"{reason}; no ready {e} node to retry on")
                 return
             if await self._dispatch(req, route):
                 return
             reason = f"prefill node {route.prefill.node_id} is unreachable"
+
+    async def _park(self, req: RouterRequest, reason: str) -> None:
+        """No node can take the next attempt now: hold it (its stream just pauses) until one is
+        ready, for at most `retry_wait_s` (a restarting node takes a few seconds)."""
+        if self.retry_wait_s <= 0:
+            await self._fail(req, RouterError(reason, 503, "ServiceUnavailableError"))
+            return
+        logger.warning("parking %s for up to %g s: %s", req.request_id, self.retry_wait_s, reason)
+        self.parked[req.request_id] = (req, time.monotonic() + self.retry_wait_s, reason)
+
+    async def _unpark(self) -> None:
+        """Dispatch parked requests to nodes that became ready; fail those that waited too long."""
+        now = time.monotonic()
+        for request_id, (req, wait_until, reason) in list(self.parked.items()):
+            if req.status.is_done:
+                del self.parked[request_id]
+                continue
+            prompt, sampling = req.attempt_prompt()
+            try:
+                route = self.registry.route(prompt, sampling.max_tokens, ignore_limits=True)
+            except NoNodeError:
+                if now > wait_until or (req.deadline is not None and now > req.deadline):
+                    del self.parked[request_id]
+                    await self._fail(req, RouterError(f"{reason} (waited {self.retry_wait_s:g} s)", 503,
+                                                      "ServiceUnavailableError"))
+                continue
+            del self.parked[request_id]
+            if not await self._dispatch(req, route):
+                await self._redispatch(req, f"prefill node {route.prefill.node_id} is unreachable")
 
     # ---- control socket ----------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -251,6 +286,8 @@ class Router:
             await self._ask_to_register(msg.node_id)
             return
         self.registry.heartbeat(msg)
+        if self.parked and node.ready:
+            await self._unpark()
         now = time.monotonic()
         for wire_id in msg.request_ids:
             req = self.requests.get(wire_id)
@@ -347,6 +384,7 @@ class Router:
                 await self._send(node, Abort(req.wire_id, reason))
 
     def _forget(self, req: RouterRequest) -> None:
+        self.parked.pop(req.request_id, None)
         if self.requests.get(req.wire_id) is req:
             del self.requests[req.wire_id]
         self.registry.release_request(req.node_ids, req.wire_id)
@@ -374,6 +412,8 @@ class Router:
             logger.warning("node %s missed heartbeats for %.1f s: dropped", node.node_id,
                            self.registry.heartbeat_timeout_s)
             await self._node_lost(node, f"node {node.node_id} stopped responding")
+        if self.parked:
+            await self._unpark()
         now = time.monotonic()
         for req in list(self.requests.values()):
             if req.status.is_done:

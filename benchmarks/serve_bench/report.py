@@ -79,8 +79,12 @@ def sweep_table(summaries: list[tuple[float, dict]]) -> str:
 
 
 def run_to_dict(run: BenchmarkRun, summary: dict) -> dict:
-    return {"request_rate": rate_label(run.request_rate), "interrupted": run.interrupted, "summary": summary,
-            "requests": [r.to_dict() for r in sorted(run.records, key=lambda r: r.request_id)]}
+    out = {"request_rate": rate_label(run.request_rate), "interrupted": run.interrupted, "summary": summary,
+           "requests": [r.to_dict() for r in sorted(run.records, key=lambda r: r.request_id)]}
+    if run.chaos is not None:
+        out["chaos"] = {"events": [vars(e) for e in run.chaos.events],
+                        "router_retries": run.chaos.retries_after - run.chaos.retries_before}
+    return out
 
 
 def save_json(path: str | Path, config: dict, runs: list[tuple[BenchmarkRun, dict]]) -> Path:

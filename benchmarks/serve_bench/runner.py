@@ -20,6 +20,7 @@ import aiohttp
 from tqdm import tqdm
 
 from benchmarks.serve_bench.arrivals import arrival_offsets
+from benchmarks.serve_bench.chaos import ChaosConfig, ChaosLog, base_url_of, router_retries, run_chaos
 from benchmarks.serve_bench.client import EndpointConfig, send_request
 from benchmarks.serve_bench.datasets import SampleRequest
 from benchmarks.serve_bench.request_record import RequestRecord
@@ -34,6 +35,7 @@ class LoadConfig:
     seed: int = 0  # of the arrival times
     disable_tqdm: bool = False
     request_timeout_s: float | None = 6 * 3600.0
+    chaos: ChaosConfig | None = None  # kill or stall nodes during the run (serve_bench/chaos.py)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -51,6 +53,7 @@ class BenchmarkRun:
     start: float | None = None  # perf_counter when the timed run began
     end: float | None = None
     interrupted: bool = False
+    chaos: ChaosLog | None = None
 
     @property
     def duration_s(self) -> float:
@@ -101,9 +104,20 @@ async def run_benchmark(cfg: EndpointConfig, samples: list[SampleRequest], load:
             run.records.append(record)
             bar.update(1)
 
+        chaos = None
+        if load.chaos is not None:
+            run.chaos = ChaosLog(retries_before=await router_retries(session, base_url_of(cfg.api_url)))
+            chaos = asyncio.create_task(run_chaos(session, base_url_of(cfg.api_url), load.chaos, run.chaos,
+                                                  run.start))
         try:
             await asyncio.gather(*(one(i, off) for i, off in enumerate(offsets)))
             run.end = time.perf_counter()
         finally:
             bar.close()
+            if chaos is not None:
+                chaos.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await chaos
+        if run.chaos is not None:
+            run.chaos.retries_after = await router_retries(session, base_url_of(cfg.api_url))
     return run
