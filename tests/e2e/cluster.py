@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from router.launcher import free_port
@@ -19,12 +20,14 @@ NODE_MODULES = {"prefill": "prefill_node", "decode": "decode_node", "both": "pre
 
 class Cluster(HttpClient):
     def __init__(self, model: str, *, router_args: list[str] = (), node_args: list[str] = (),
-                 heartbeat_timeout_s: float = 1.5) -> None:
+                 heartbeat_timeout_s: float = 1.5, api_key: str | None = None) -> None:
         self.model = model
+        self.api_key = api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.control = f"tcp://127.0.0.1:{free_port()}"
-        self.router_args = ["--heartbeat-timeout", str(heartbeat_timeout_s), *router_args]
+        self.router_args = ["--heartbeat-timeout", str(heartbeat_timeout_s), *router_args,
+                            *(["--api-key", api_key] if api_key else [])]
         self.node_args = list(node_args)
         self.procs: dict[str, subprocess.Popen] = {}
         self.node_argv: dict[str, list[str]] = {}
@@ -44,7 +47,7 @@ class Cluster(HttpClient):
     def start_router(self) -> None:
         self._spawn("router", ["router", "--model", self.model, "--port", str(self.port), "--control-addr",
                                self.control, "--log-level", "INFO", *self.router_args])
-        self.wait(lambda: self._get_ok("/v1/models"), 60, "the router")
+        self.wait(self._router_answers, 60, "the router")
 
     def start_node(self, name: str, role: str, *extra: str) -> None:
         argv = [NODE_MODULES[role], "--router", self.control, "--node-id", name, "--model", self.model,
@@ -101,10 +104,12 @@ class Cluster(HttpClient):
                 raise AssertionError(f"timed out waiting for {what}")
             time.sleep(0.2)
 
-    def _get_ok(self, path: str) -> bool:
+    def _router_answers(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=5) as r:
-                return r.status == 200
+            with urllib.request.urlopen(self.url + "/health", timeout=5):
+                return True
+        except urllib.error.HTTPError:  # 503 until nodes are ready: it answers all the same
+            return True
         except OSError:
             return False
 

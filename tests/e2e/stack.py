@@ -22,18 +22,22 @@ class HttpClient:
     """Talk to a router over HTTP the way a client would (`self.url` is the router's)."""
 
     url: str
+    api_key: str | None = None  # sent as a bearer token to the router
+
+    def _headers(self) -> dict:
+        return {"Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
     def get(self, path: str) -> dict:
-        return self.get_url(self.url + path)
+        return self.get_url(self.url + path, self._headers())
 
     @staticmethod
-    def get_url(url: str) -> dict:
-        with urllib.request.urlopen(url, timeout=30) as r:
+    def get_url(url: str, headers: dict | None = None) -> dict:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as r:
             return json.loads(r.read())
 
     def post(self, path: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, json.dumps(body).encode(), self._headers())
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -43,8 +47,7 @@ class HttpClient:
     def stream(self, path: str, body: dict, timeout: float = 300):
         """Yields (time.time(), event dict) for each SSE event until [DONE]; ConnectionError if the
         stream ends without it (the server went away)."""
-        req = urllib.request.Request(self.url + path, json.dumps({**body, "stream": True}).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + path, json.dumps({**body, "stream": True}).encode(), self._headers())
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()

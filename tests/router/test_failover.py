@@ -176,3 +176,48 @@ def test_decode_queue_limit_counts_beyond_max_num_seqs(tokenizer):
             assert [(await t)[0] for t in running] == [200, 200]
 
     run(scenario())
+
+
+def test_redispatch_waits_for_a_node_to_come_back(tokenizer):
+    async def scenario():
+        p0, d0, d1 = cluster(("p0", "prefill", {}), ("d0", "decode", {"token_delay_s": 0.02}),
+                             ("d1", "decode", {"token_delay_s": 0.02}))
+        async with serving(tokenizer, p0, d0, heartbeat_timeout_s=0.3, retry_wait_s=10) as h:
+            expected = await reference(h)
+            task = asyncio.create_task(h.stream("/v1/completions", BODY))
+            await wait_until(lambda: d0.tasks, what="decoding on d0")
+            await asyncio.sleep(0.2)
+            d0.heartbeating = False  # the only decode node dies: the request is parked
+            await wait_until(lambda: h.router.parked, what="parked")
+            assert not task.done()
+            await h.add_node(d1)  # a node comes (back): the parked request goes there
+            events = await task
+            assert text_of(events) == expected["text"] and events[-1] == "[DONE]"
+            assert not h.router.parked and not h.router.requests
+
+    run(scenario())
+
+
+def test_parked_request_fails_after_retry_wait_and_disconnect_unparks(tokenizer):
+    async def scenario():
+        p0, d0 = cluster(("p0", "prefill", {}), ("d0", "decode", {"token_delay_s": 0.02}))
+        async with serving(tokenizer, p0, d0, heartbeat_timeout_s=0.3, retry_wait_s=0.5) as h:
+            task = asyncio.create_task(h.stream("/v1/completions", BODY))
+            await wait_until(lambda: d0.tasks, what="decoding on d0")
+            d0.heartbeating = False
+            events = await task
+            assert "no ready decode node" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+            assert not h.router.parked and not h.router.requests
+            # A client that leaves while its request is parked takes it out of the parking.
+            h.router.retry_wait_s = 30
+            d0.heartbeating = True
+            await wait_until(lambda: "d0" in h.router.registry.nodes and h.router.registry.nodes["d0"].ready,
+                             what="d0 back")
+            resp = await h.client.post("/v1/completions", json={**BODY, "stream": True})
+            await wait_until(lambda: h.router.requests, what="dispatched")
+            d0.heartbeating = False
+            await wait_until(lambda: h.router.parked, what="parked")
+            resp.close()
+            await wait_until(lambda: not h.router.parked and not h.router.requests, what="unparked")
+
+    run(scenario())
