@@ -70,6 +70,10 @@ class Sampler:
         work = _take_rows(logits, rest)  # may be the caller's tensor: copied before any write
         if any(r.params.needs_penalties for r in rest_rows):
             work = apply_penalties(work.to(torch.float32, copy=True), rest_rows)
+            # An extreme penalty (1e-40, 1e39) overflows to inf or NaN; keep every logit finite so
+            # the draw still sees a distribution (the penalized order is kept).
+            work.nan_to_num_(nan=-_LOGIT_LIMIT, posinf=_LOGIT_LIMIT, neginf=-_LOGIT_LIMIT).clamp_(
+                -_LOGIT_LIMIT, _LOGIT_LIMIT)
         greedy = [j for j, r in enumerate(rest_rows) if r.params.greedy]
         drawn = [j for j, r in enumerate(rest_rows) if not r.params.greedy]
         if greedy:
@@ -92,6 +96,9 @@ class Sampler:
             for r in rows
         ]
         return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+_LOGIT_LIMIT = 1e30  # penalized logits are clamped to +-this
 
 
 def seeded_uniform(seed: int, position: int) -> float:

@@ -5,9 +5,11 @@
     request_state.py     one request's states, timing and token re-sequencing
     openai_protocol.py   request validation → SamplingParams; OpenAI error bodies
     openai_responses.py  response bodies and stream chunks
+    openapi.py           the OpenAPI 3.1 description served at GET /openapi.json
     metrics.py           Prometheus metrics (GET /metrics): TTFT and its stages, TPOT, ITL, counts
     app.py               aiohttp routes (create_app)
     cli.py               main(argv): `pdserve router` / `python -m router`
+    launcher.py          `pdserve serve`: router + nodes as supervised local processes
 """
 
 __all__ = ["Router", "create_app", "main"]

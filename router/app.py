@@ -4,7 +4,14 @@
     POST /v1/chat/completions   chat through the tokenizer's chat template
     GET  /v1/models             the served model
     GET  /health                200 while a ready prefill-capable and decode-capable node are registered
+    GET  /nodes                 the live nodes, their load and status URLs
     GET  /metrics               Prometheus text format (router/metrics.py)
+    GET  /openapi.json          the OpenAPI description of all of these (router/openapi.py)
+
+With an API key, every request but /health, /metrics and /openapi.json must carry
+`Authorization: Bearer <key>`, else it gets a 401. Every error is an OpenAI error body, whatever
+raised it (the parser, the router, aiohttp itself: unknown path, wrong method, a body over
+MAX_BODY_BYTES).
 
 A generation request is validated (4xx before any node sees it), submitted, then its deltas are
 written as they come. A streamed response is only started once the first delta is in, so an
@@ -16,8 +23,10 @@ error before the first token still gets a real HTTP status; after that errors ar
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import math
 import time
 
 from aiohttp import web
@@ -26,6 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text fo
 
 from router.openai_protocol import ProtocolError, error_body
 from router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
+from router.openapi import openapi_spec
 from router.registry import node_summary
 from router.request_state import Delta, RouterError, RouterRequest
 from router.router import Router
@@ -34,21 +44,28 @@ logger = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 CREATED_KEY = web.AppKey("created", int)  # for /v1/models
+API_KEY_KEY = web.AppKey("api_key", bytes)
 MAX_BODY_BYTES = 64 << 20  # token-id prompts are verbose JSON
 DISCONNECT_POLL_S = 0.5  # how often a handler waiting for tokens checks that its client is still there
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key needed (probes, scrapers, docs)
 
 
-def create_app(router: Router) -> web.Application:
-    """The HTTP app; the caller owns `router` (start it before serving, close it after)."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+def create_app(router: Router, *, api_key: str | None = None) -> web.Application:
+    """The HTTP app; the caller owns `router` (start it before serving, close it after). With
+    `api_key`, requests outside OPEN_PATHS must send it as a bearer token."""
+    middlewares = [_openai_errors] + ([_check_api_key] if api_key else [])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ROUTER_KEY] = router
     app[CREATED_KEY] = int(time.time())
+    if api_key:
+        app[API_KEY_KEY] = api_key.encode()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/nodes", _nodes)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
     return app
 
 
@@ -60,18 +77,38 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except ProtocolError as e:
         metrics.observe_error(e.status)
-        return web.json_response(e.body(), status=e.status)
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         metrics.observe_error(e.status)
-        return web.json_response(error_body(e.reason, e.status), status=e.status)
+        headers = {k: v for k, v in e.headers.items() if k not in ("Content-Type", "Content-Length")}  # Allow, ...
+        return web.json_response(error_body(e.reason, e.status), status=e.status, headers=headers)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         logger.exception("error serving %s %s", request.method, request.path)
         metrics.observe_error(500)
         return web.json_response(error_body("internal error", 500), status=500)
+
+
+@web.middleware
+async def _check_api_key(request: web.Request, handler) -> web.StreamResponse:
+    """401 unless the request is for an open path or carries the key (compared in constant time)."""
+    resource = request.match_info.route.resource  # None when no route matched: closed, like the rest
+    if resource is not None and resource.canonical in OPEN_PATHS:
+        return await handler(request)
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ProtocolError("missing API key: send it as the header `Authorization: Bearer <key>`",
+                            status=401, headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(token.strip().encode("utf-8", "surrogatepass"), request.app[API_KEY_KEY]):
+        raise ProtocolError("Incorrect API key provided", status=401, headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec(with_api_key=API_KEY_KEY in request.app))
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -122,10 +159,31 @@ async def _nodes(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request):
+    """The body as JSON: 413 past MAX_BODY_BYTES; 400 for a body that cannot be read (bad gzip), for
+    anything json.loads refuses, for NaN and Infinity (which Python's json accepts, JSON does not),
+    and for nesting deeper than Python's stack."""
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"invalid JSON body: {e}") from None
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProtocolError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413) from None
+    except web.RequestPayloadError as e:  # a body that does not match its Content-Encoding, ...
+        detail = getattr(e.__cause__, "message", None) or str(e.__cause__ or e)
+        raise ProtocolError(f"cannot read the request body: {detail}"[:300]) from None
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"invalid JSON body: {str(e)[:200]}") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"{text[:50]} is out of range")
+    return value
 
 
 async def _next_delta(request: web.Request, req: RouterRequest) -> Delta:

@@ -392,7 +392,12 @@ class Router:
     async def _send(self, node: NodeInfo, msg: Message) -> bool:
         # NOBLOCK: a node that stopped reading must not stall the router; the send fails instead.
         try:
-            await self._sock.send_multipart([node.identity, encode(msg)], flags=zmq.NOBLOCK)
+            data = encode(msg)
+        except (ValueError, TypeError, OverflowError) as e:  # a value msgpack cannot carry
+            logger.error("cannot encode %s for node %s: %s", msg.TYPE, node.node_id, e)
+            return False
+        try:
+            await self._sock.send_multipart([node.identity, data], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             logger.warning("cannot send %s to node %s: %s", msg.TYPE, node.node_id, e)

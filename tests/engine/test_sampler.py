@@ -390,3 +390,14 @@ def test_sampling_params_normalise_and_round_trip():
     assert SamplingParams.from_dict(params.to_dict()) == params
     with pytest.raises(ValueError, match="unknown"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 1e39])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1e-4])
+def test_extreme_repetition_penalty_still_samples(penalty, temperature):
+    """Penalties that overflow float32 logits (inf, NaN) must not break the batch (found by fuzzing)."""
+    logits = random_logits(2, scale=30.0)
+    rows = [make_row(prompt=range(20), repetition_penalty=penalty, temperature=temperature, seed=1),
+            make_row(temperature=0.5, seed=2)]
+    out = Sampler()(logits, rows)
+    assert all(0 <= t < VOCAB for t in out.token_ids)

@@ -168,3 +168,33 @@ def test_bad_decode_address_fails_and_releases(make_pair):
     pair.sender.send("d9", "not-an-endpoint", make_ready("r1", [0], 8, 16))
     assert pair.sender.num_held == 0 and pair.errors[0][0] == "r1" and "cannot connect" in pair.errors[0][1]
     pair.released.assert_released_once(["r1"])
+
+
+def test_injected_corrupt_payload_is_refused_and_released(make_pair):
+    pair = make_pair()
+    pair.sender.inject_fault("corrupt:1")
+    pair.send("r1", [0, 1], 20)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    pair.receiver.pull("r1", [2, 3])
+    events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
+    assert "bad KV payload" in events[-1].error
+    pair.pump(lambda _: pair.sender.num_held == 0)
+    pair.released.assert_released_once(["r1"])
+
+
+def test_injected_drop_times_out_and_releases(make_pair):
+    pair = make_pair(pull_timeout_s=0.3)
+    pair.sender.inject_fault("drop:1")
+    pair.send("r1", [0, 1], 20)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    pair.receiver.pull("r1", [2, 3])
+    events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
+    assert "no KV data" in events[-1].error
+    pair.pump(lambda _: pair.sender.num_held == 0)
+    pair.released.assert_released_once(["r1"])
+
+
+@pytest.mark.parametrize("spec", ["drop", "drop:0", "flip:2", "corrupt:x"])
+def test_bad_fault_spec_is_refused(make_pair, spec):
+    with pytest.raises(ValueError, match="fault spec"):
+        make_pair().sender.inject_fault(spec)

@@ -138,7 +138,7 @@ def test_dropped_node_is_asked_to_register_again(tokenizer):
 def test_heartbeat_listing_unknown_requests_gets_them_aborted(tokenizer):
     async def scenario():
         p0, d0 = cluster(("p0", "prefill", {}), ("d0", "decode", {}))
-        async with serving(tokenizer, p0, d0) as h:
+        async with serving(tokenizer, p0, d0):
             d0.heartbeating = False
             await d0.send(Heartbeat("d0", 900, 1000, 1, 0, request_ids=["cmpl-from-before-a-restart"]))
             await wait_until(lambda: "cmpl-from-before-a-restart" in d0.aborted_ids, what="abort")
@@ -170,7 +170,7 @@ def test_decode_queue_limit_counts_beyond_max_num_seqs(tokenizer):
             running = []
             for n in (1, 2):  # one at a time: the prefill queue limit (1) must not be what refuses
                 running.append(asyncio.create_task(h.post("/v1/completions", BODY)))
-                await wait_until(lambda: len(h.router.requests) == n and len(d0.tasks) == n, what=f"{n} decoding")
+                await wait_until(lambda n=n: len(h.router.requests) == n and len(d0.tasks) == n, what=f"{n} decoding")
             status, _ = await h.post("/v1/completions", BODY)
             assert status == 429
             assert [(await t)[0] for t in running] == [200, 200]
