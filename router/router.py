@@ -307,8 +307,8 @@ class Router:
         logger.info("heartbeat from unknown node %s: asking it to register", node_id)
         try:
             await self._sock.send_multipart([node_id.encode(), encode(Reregister("unknown node"))], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.warning("cannot ask node %s to register: %s", node_id, e)
+        except zmq.ZMQError as e:  # its main socket is not connected (yet): the next heartbeat asks again
+            logger.info("cannot ask node %s to register: %s", node_id, e)
 
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         node = self.registry.remove(msg.node_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,8 +48,13 @@ def local_argv(command: list[str], model: str, ports: dict[str, int]) -> list[st
     return [sys.executable, "-m", "engine.cli", *argv]
 
 
+def interpolate(value: str) -> str:
+    """Compose's `${VAR:-default}` / `${VAR}` substitution, from this process's environment."""
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: os.environ.get(m.group(1)) or (m.group(2) or ""), value)
+
+
 def local_env(service: dict, cache_dir: Path) -> dict[str, str]:
-    env = dict(os.environ, **{k: str(v) for k, v in (service.get("environment") or {}).items()})
+    env = dict(os.environ, **{k: interpolate(str(v)) for k, v in (service.get("environment") or {}).items()})
     env.update(PYTHONPATH=str(ROOT), PDSERVE_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS="1")
     return env
 
