@@ -68,6 +68,7 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[str, li
     num_nodes = sum(n for _, n in roles)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_nodes)
     procs = [("router", py + ["router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
+                              "--log-level", args.log_level,
                               "--model", args.model, *(["--served-model-name", args.served_model_name]
                                                        if args.served_model_name else []),
                               *secure, *(["--api-key", args.api_key] if args.api_key else []),
