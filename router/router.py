@@ -193,8 +193,8 @@ class Router:
         on live nodes and start the next attempt elsewhere (parked until a node is ready, when
         none is), or fail the request past max_retries."""
         while not req.status.is_done:
+            self._forget(req)  # first, without awaiting: a later message about this attempt finds nothing
             await self._abort_nodes(req, reason)
-            self._forget(req)
             if req.attempt >= self.max_retries:
                 await self._fail(req, RouterError(f"{reason}; gave up after {req.attempt} retries", 503,
                                                   "ServiceUnavailableError"))
@@ -225,13 +225,15 @@ class Router:
     async def _unpark(self) -> None:
         """Dispatch parked requests to nodes that became ready; fail those that waited too long."""
         now = time.monotonic()
-        for request_id, (req, wait_until, reason) in list(self.parked.items()):
-            if req.status.is_done:
-                del self.parked[request_id]
+        for request_id in list(self.parked):
+            entry = self.parked.get(request_id)  # another caller may have taken it while we awaited
+            if entry is None:
                 continue
+            req, wait_until, reason = entry
             prompt, sampling = req.attempt_prompt()
             try:
-                route = self.registry.route(prompt, sampling.max_tokens, ignore_limits=True)
+                route = None if req.status.is_done else self.registry.route(prompt, sampling.max_tokens,
+                                                                             ignore_limits=True)
             except NoNodeError:
                 if now > wait_until or (req.deadline is not None and now > req.deadline):
                     del self.parked[request_id]
@@ -239,7 +241,7 @@ class Router:
                                                       "ServiceUnavailableError"))
                 continue
             del self.parked[request_id]
-            if not await self._dispatch(req, route):
+            if route is not None and not await self._dispatch(req, route):
                 await self._redispatch(req, f"prefill node {route.prefill.node_id} is unreachable")
 
     # ---- control socket ----------------------------------------------------------------------

@@ -221,3 +221,21 @@ def test_parked_request_fails_after_retry_wait_and_disconnect_unparks(tokenizer)
             await wait_until(lambda: not h.router.parked and not h.router.requests, what="unparked")
 
     run(scenario())
+
+
+def test_two_failure_reports_for_one_attempt_retry_it_once(tokenizer):
+    async def scenario():
+        from kvtransfer.messages import Error
+
+        p0, d0, d1 = cluster(("p0", "prefill", {}), ("d0", "decode", {"token_delay_s": 0.05}),
+                             ("d1", "decode", {"token_delay_s": 0.05}))
+        async with serving(tokenizer, p0, d0, d1) as h:
+            task = asyncio.create_task(h.post("/v1/completions", BODY))
+            await wait_until(lambda: h.router.requests, what="dispatched")
+            (wire_id, req), = h.router.requests.items()
+            err = Error(wire_id, req.decode_node_id, "KV transfer failed", retryable=True)
+            await asyncio.gather(h.router._on_error(b"", err), h.router._on_error(b"", err))
+            assert req.attempt == 1 and h.router.metrics.retries._value.get() == 1
+            assert (await task)[0] == 200
+
+    run(scenario())
