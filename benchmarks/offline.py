@@ -6,11 +6,16 @@ each batch generates until its longest request is done, and only each request's 
 tokens are credited. Both sides use the same model, dtype, prompts and thread count.
 
     python benchmarks/offline.py --model smollm2 --dtype bfloat16 --num-requests 64
+
+On CUDA the engine runs decode through CUDA graphs unless --enforce-eager; --vs-eager runs it
+both ways on the same workload and records the graphs' speedup (use a decode-heavy workload:
+short prompts, long outputs).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -29,12 +34,12 @@ def make_workload(num_requests: int, input_range, output_range, vocab_size: int,
     return prompts, output_lens
 
 
-def run_engine(model_path: str, dtype: str, prompts, output_lens, args) -> dict:
+def run_engine(model_path: str, dtype: str, prompts, output_lens, args, enforce_eager: bool) -> dict:
     from engine import LLM, SamplingParams
 
     llm = LLM(model_path, dtype=dtype, device=args.device, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enforce_eager=enforce_eager)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in output_lens]
     start = time.perf_counter()
@@ -42,7 +47,12 @@ def run_engine(model_path: str, dtype: str, prompts, output_lens, args) -> dict:
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outs)
     assert generated == sum(output_lens), "ignore_eos: every request must produce exactly its length"
-    return {"output_tokens": generated, "seconds": elapsed, "output_tok_per_s": generated / elapsed}
+    graphs = llm.engine.runner.decode_graphs
+    result = {"output_tokens": generated, "seconds": elapsed, "output_tok_per_s": generated / elapsed,
+              "cuda_graph_replays": graphs.num_replays if graphs is not None else 0}
+    del llm, graphs
+    _free(args.device)  # the pool took most of the GPU: give it back before the next run loads
+    return result
 
 
 def run_transformers(model_path: str, dtype: str, prompts, output_lens, args) -> dict:
@@ -61,6 +71,12 @@ def run_transformers(model_path: str, dtype: str, prompts, output_lens, args) ->
     elapsed = time.perf_counter() - start
     credited = sum(output_lens)  # each request's own tokens, not the padding steps
     return {"output_tokens": credited, "seconds": elapsed, "output_tok_per_s": credited / elapsed}
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def _sync(device: str) -> None:
@@ -92,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="engine only (no ratio)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: decode without CUDA graphs")
+    p.add_argument("--vs-eager", action="store_true", help="CUDA: also run with --enforce-eager; record the speedup")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -105,14 +123,21 @@ def main(argv=None) -> int:
     vocab = ModelConfig.from_pretrained(model_path).vocab_size
     prompts, output_lens = make_workload(args.num_requests, args.input_len, args.output_len, vocab, args.seed)
     results = {"model": args.model, "num_requests": args.num_requests, "input_len": args.input_len,
-               "output_len": args.output_len, "threads": torch.get_num_threads(), "runs": {}}
+               "output_len": args.output_len, "threads": torch.get_num_threads(),
+               "enforce_eager": args.enforce_eager, "runs": {}}
     for dtype in args.dtype:
-        run = {"pdserve": run_engine(model_path, dtype, prompts, output_lens, args)}
+        run = {"pdserve": run_engine(model_path, dtype, prompts, output_lens, args, args.enforce_eager)}
+        if args.vs_eager:
+            run["pdserve_eager"] = run_engine(model_path, dtype, prompts, output_lens, args, enforce_eager=True)
+            run["graph_speedup"] = run["pdserve"]["output_tok_per_s"] / run["pdserve_eager"]["output_tok_per_s"]
         if not args.skip_hf:
             run["transformers"] = run_transformers(model_path, dtype, prompts, output_lens, args)
             run["ratio"] = run["pdserve"]["output_tok_per_s"] / run["transformers"]["output_tok_per_s"]
         results["runs"][dtype] = run
         line = f"{dtype:>9}: pdserve {run['pdserve']['output_tok_per_s']:8.1f} out tok/s"
+        if "graph_speedup" in run:
+            line += f" | enforce_eager {run['pdserve_eager']['output_tok_per_s']:8.1f}" \
+                    f" | graphs {run['graph_speedup']:.2f}x"
         if "ratio" in run:
             line += f" | transformers (batch {args.hf_batch_size}) {run['transformers']['output_tok_per_s']:8.1f}" \
                     f" | ratio {run['ratio']:.2f}x"

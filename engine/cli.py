@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--swap-space-gb", type=float, default=0.0)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -56,7 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",
              "max_num_seqs",
              "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
-             "swap_space_gb", "num_threads", "seed")
+             "swap_space_gb", "num_threads", "enforce_eager", "seed")
     return {n: getattr(args, n) for n in names}
 
 

@@ -29,6 +29,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     swap_space_gb: float = 0.0  # host memory for swapped-out requests; 0 = preempt by recompute
     num_threads: int | None = None  # torch intra-op threads on the CPU
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py); the CPU is always eager
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -51,6 +52,10 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.startswith("cuda") and not self.enforce_eager
 
     @property
     def torch_dtype(self) -> torch.dtype:

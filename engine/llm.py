@@ -35,6 +35,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         swap_space_gb: float = 0.0,
         num_threads: int | None = None,
+        enforce_eager: bool = False,
         seed: int = 0,
         skip_tokenizer_init: bool = False,
     ) -> None:
@@ -47,7 +48,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            swap_space_gb=swap_space_gb, num_threads=num_threads, seed=seed,
+            swap_space_gb=swap_space_gb, num_threads=num_threads, enforce_eager=enforce_eager, seed=seed,
         )
         self.tokenizer = _load_tokenizer(model_path) if not skip_tokenizer_init else None
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)

@@ -57,6 +57,8 @@ class LLMEngine:
         # A lone request must always fit the pool, or preemption could never make room for it.
         config.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
         self.runner.allocate_kv(num_blocks, num_host_blocks, kv_allocator)
+        if config.use_cuda_graphs:  # at start-up, not on the first request; logs the capture time
+            self.runner.init_decode_graphs(config.max_model_len)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,

@@ -4,6 +4,11 @@ Owns the model weights and the KV pool: one backing buffer per node,
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so a peer on the same host
 can map the whole pool with one handle; per-layer K and V are views into it. With swap space, a
 host buffer of the same layout holds preempted requests' blocks.
+
+Decode-only steps can run through `DecodeGraphs` (engine/cuda_graphs.py): CUDA graphs on static,
+padded buffers. On CUDA a step's host tensors are staged in pinned memory and copied without
+blocking, so building a step costs no host-device sync; for greedy rows without logprobs,
+reading the sampled tokens back is the step's only one.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from engine.attention_metadata import AttentionMetadata
 from engine.config import EngineConfig, cpu_has_native_bf16
+from engine.cuda_graphs import DecodeGraphs
 from engine.loader import iter_safetensors
 from engine.model_config import ModelConfig
 from engine.models import LlamaForCausalLM
@@ -36,6 +42,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         self.kv_buffer: torch.Tensor | None = None
         self.host_buffer: torch.Tensor | None = None
+        self.decode_graphs: DecodeGraphs | None = None
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         mc = self.model_config
@@ -48,6 +55,18 @@ class ModelRunner:
         self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(self.model_config.num_layers)]
         if num_host_blocks:
             self.host_buffer = torch.zeros(self.kv_shape(num_host_blocks), dtype=self.dtype, device="cpu")
+
+    @torch.inference_mode()
+    def init_decode_graphs(self, max_model_len: int) -> None:
+        """Route decode-only steps through static padded buffers and, on CUDA, capture one graph
+        per batch bucket. Call after allocate_kv: the graphs bake in the pool's addresses. On the
+        CPU nothing is captured and the padded path runs eagerly (how the tests exercise it)."""
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
+            block_size=self.block_size, device=self.device,
+        )
+        if self.device.type == "cuda":
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def profile_num_kv_blocks(self, bytes_per_block: int, gpu_memory_utilization: float) -> int:
@@ -105,7 +124,11 @@ class ModelRunner:
         if out.is_empty:
             return {}
         input_ids, positions, meta, logits_indices = self.prepare_batch(out)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(input_ids, meta):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return {}
@@ -137,17 +160,25 @@ class ModelRunner:
         positions = torch.arange(len(token_ids), dtype=torch.int64) - qsl[:-1].long()[owner] + torch.tensor(starts)[owner]
         block_tables = torch.tensor(tables, dtype=torch.int32)
         slots = block_tables[owner, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        dev = self.device
+        upload = self._upload
         meta = AttentionMetadata(
-            query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slots.to(torch.int32).to(dev),
+            query_start_loc=upload(qsl),
+            seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=upload(block_tables),
+            slot_mapping=upload(slots.to(torch.int32)),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        ids = torch.tensor(token_ids, dtype=torch.int64).to(dev)
-        return ids, positions.to(dev), meta, torch.tensor(logits_indices, dtype=torch.int64).to(dev)
+        ids = upload(torch.tensor(token_ids, dtype=torch.int64))
+        return ids, upload(positions), meta, upload(torch.tensor(logits_indices, dtype=torch.int64))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device. On CUDA: staged in pinned memory and copied with
+        non_blocking, so the host goes on building the step while the copy runs (the caching host
+        allocator keeps the staging buffer until the copy is done). On the CPU: the tensor itself."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _swap(self, out: SchedulerOutput) -> None:
         """Swap-outs first: a device block freed by a swap-out may be swapped into this step."""

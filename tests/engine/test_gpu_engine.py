@@ -18,7 +18,7 @@ def test_triton_engine_equals_transformers_float32(tmp_path):
     model = save_tiny_model(tmp_path, "llama")
     prompts = make_prompts(vocab=256)
     want = hf_greedy(model, prompts)
-    llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_num_batched_tokens=128)
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_num_batched_tokens=128, max_num_seqs=16)
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))]
     assert got == want
 
@@ -34,7 +34,7 @@ def test_smollm2_shaped_bf16_mostly_matches_transformers(tmp_path):
     with torch.no_grad():
         want = [hf.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=32,
                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda")
+    llm = LLM(str(tmp_path), dtype="bfloat16", device="cuda", max_num_seqs=16)
     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0))]
     same = sum(g == w for g, w in zip(got, want))
     print(f"bf16 SmolLM2-shaped: {same}/{len(prompts)} prompts match transformers for 32 greedy tokens")

@@ -154,6 +154,27 @@ def test_missing_host_maxima_fall_back_to_shape_bounds(device):
     assert_triton_matches_naive(decode, device, host_maxima=False)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_max_seq_len_is_only_an_upper_bound(device, monkeypatch, split):
+    """Decode CUDA graphs launch with max_seq_len = max_model_len whatever the batch holds. The
+    bound only plans the decode split: a loose one adds partitions past every sequence, which
+    read nothing and weigh 0 in the reduce, so with the same partition length the result is
+    bit for bit the exact bound's. Also padding requests as the graphs build them: q_len 1,
+    seq_len 1 over block 0."""
+    if split:
+        monkeypatch.setattr(triton_attention, "_MIN_PARTITION_LEN", 1)
+        monkeypatch.setattr(triton_attention, "_TARGET_PROGRAMS", 1 << 20)
+    seq_lens = [5, 300, 170, 1, 193, 1, 1]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=6, num_kv_heads=2)
+    batch.block_tables[-2:] = 0  # the graphs' padding rows: block 0 only
+    exact = assert_triton_matches_naive(batch, device)
+    loose = assert_triton_matches_naive(batch, device, max_seq_len=1024)  # 16 splits of 64 when split
+    if split:
+        assert triton_attention.plan_splits(7, 2, 1024, 64, device) == (16, 64)
+        assert triton_attention.plan_splits(7, 2, 300, 64, device) == (5, 64)
+    torch.testing.assert_close(loose, exact, atol=0, rtol=0)
+
+
 def test_out_is_honoured_and_padding_rows_are_zeroed(device, force_split):
     for q_lens, seq_lens in (([2, 1], [5, 9]), ([1, 1], [70, 9])):  # prefill path, split decode path
         batch = make_batch(q_lens, seq_lens)
