@@ -114,7 +114,8 @@ class DecodeNode:
             return
         try:
             params = SamplingParams.from_dict(ready.sampling)
-            request = Request(ready.request_id, list(ready.prompt_token_ids), params, priority=ready.priority)
+            request = Request(ready.request_id, list(ready.prompt_token_ids), params, priority=ready.priority,
+                              num_prior_output_tokens=ready.num_prior_output_tokens)
         except ValueError as e:
             self.receiver.release(ready.request_id, error=str(e))
             self.link.send(Error(request_id=ready.request_id, node_id=self.node_id, message=str(e)))

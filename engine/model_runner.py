@@ -133,8 +133,7 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])
-        rows = [SamplingInput(s.request.params, s.request.prompt_token_ids, s.request.output_token_ids)
-                for s in sampling]
+        rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
         result = self.sampler(logits, rows)
         return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
 

@@ -54,6 +54,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
     num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
+    # The last n prompt tokens are output of an earlier attempt (a re-dispatch continues a request
+    # elsewhere): sampling treats them as output, so seeded draws and penalties carry on unchanged.
+    num_prior_output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # wall-clock events, for latency breakdowns
     # Tie-break for equal arrival times: admission order is stable.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
@@ -61,6 +64,9 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if not 0 <= self.num_prior_output_tokens < len(self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id}: num_prior_output_tokens must be in "
+                             f"[0, {len(self.prompt_token_ids)}), got {self.num_prior_output_tokens}")
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.all_token_ids.extend(self.output_token_ids)
 
@@ -75,6 +81,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def sampling_view(self) -> tuple[list[int], list[int]]:
+        """(prompt, output) as sampling sees them: prior attempts' tokens count as output."""
+        k = self.num_prior_output_tokens
+        if not k:
+            return self.prompt_token_ids, self.output_token_ids
+        return self.prompt_token_ids[:-k], self.prompt_token_ids[-k:] + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -97,6 +97,7 @@ class PrefillRequest(Message):
     decode_kv_addr: str = ""
     priority: int = 0
     arrival_time: float = 0.0  # router's clock (time.time()), for TTFT split by stage
+    num_prior_output_tokens: int = 0  # a re-dispatch: the prompt ends with this many tokens already streamed
 
 
 @dataclass
@@ -201,6 +202,7 @@ class KVReady(Message):
     block_size: int
     lease_s: float  # the blocks stay pinned this long unless renewed
     priority: int = 0
+    num_prior_output_tokens: int = 0  # as in PrefillRequest
 
 
 @dataclass

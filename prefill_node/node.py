@@ -89,7 +89,8 @@ class PrefillNode:
             return
         try:
             params = SamplingParams.from_dict(msg.sampling)
-            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id, priority=msg.priority)
+            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id, priority=msg.priority,
+                                    num_prior_output_tokens=msg.num_prior_output_tokens)
         except ValueError as e:
             self.link.send(Error(request_id=msg.request_id, node_id=self.node_id, message=str(e)))
             return
@@ -145,7 +146,7 @@ class PrefillNode:
             request_id=rid, prompt_token_ids=request.prompt_token_ids, first_token=request.output_token_ids[-1],
             first_logprobs=logprobs, sampling=request.params.to_dict(), num_tokens=request.num_prompt_tokens,
             block_ids=list(block_ids), block_size=self.engine.config.block_size, lease_s=self.sender.lease_s,
-            priority=request.priority,
+            priority=request.priority, num_prior_output_tokens=request.num_prior_output_tokens,
         )
         self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
         t["kv_ready_sent"] = time.time()

@@ -185,7 +185,7 @@ class Router:
         self.registry.add_request(route, req.wire_id, len(prompt), sampling.max_tokens)
         msg = PrefillRequest(req.wire_id, prompt, sampling.to_dict(), req.decode_node_id,
                              route.decode.register.kv_addr if route.decode else "",
-                             arrival_time=req.timing.arrival_wall)
+                             arrival_time=req.timing.arrival_wall, num_prior_output_tokens=req.index_offset)
         return await self._send(route.prefill, msg)
 
     async def _redispatch(self, req: RouterRequest, reason: str) -> None:

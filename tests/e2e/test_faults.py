@@ -28,18 +28,20 @@ def body(prompt: list[int]) -> dict:
 class Streams:
     """Run one streamed completion per prompt in threads; record token ids, errors, progress."""
 
-    def __init__(self, cluster: Cluster, prompt_list: list[list[int]], stop_after: int | None = None) -> None:
+    def __init__(self, cluster: Cluster, prompt_list: list[list[int]], stop_after: int | None = None,
+                 extra: list[dict] | None = None) -> None:
         self.ids: list[list[int]] = [[] for _ in prompt_list]
         self.errors: list[str | None] = [None] * len(prompt_list)
         self.done = [False] * len(prompt_list)
-        self.threads = [threading.Thread(target=self._run, args=(cluster, i, p, stop_after), daemon=True)
-                        for i, p in enumerate(prompt_list)]
+        extra = extra or [{} for _ in prompt_list]
+        self.threads = [threading.Thread(target=self._run, args=(cluster, i, p, stop_after, x), daemon=True)
+                        for i, (p, x) in enumerate(zip(prompt_list, extra))]
         for t in self.threads:
             t.start()
 
-    def _run(self, cluster: Cluster, i: int, prompt: list[int], stop_after: int | None) -> None:
+    def _run(self, cluster: Cluster, i: int, prompt: list[int], stop_after: int | None, extra: dict) -> None:
         try:
-            for _, event in cluster.stream("/v1/completions", body(prompt), timeout=120):
+            for _, event in cluster.stream("/v1/completions", {**body(prompt), **extra}, timeout=120):
                 if "error" in event:
                     self.errors[i] = event["error"]["message"]
                     return
@@ -63,10 +65,11 @@ class Streams:
         assert all(self.done), "a stream never ended"
 
 
-def assert_exact(model, prompt_list, streams: Streams) -> None:
-    for prompt, ids, error in zip(prompt_list, streams.ids, streams.errors):
-        assert error is None, error
-        assert ids == hf_greedy(model, prompt, MAX_TOKENS)
+def assert_exact(model, prompt_list, streams: Streams, rows=None) -> None:
+    """The streams (those in `rows`, default all) ended without error with transformers' greedy output."""
+    for i in rows if rows is not None else range(len(prompt_list)):
+        assert streams.errors[i] is None, streams.errors[i]
+        assert streams.ids[i] == hf_greedy(model, prompt_list[i], MAX_TOKENS)
 
 
 def assert_no_blocks(cluster: Cluster, names) -> None:
@@ -103,13 +106,21 @@ def test_kill_decode_node_with_16_streams_in_flight(cluster, model_dir):
         cluster.start_node(name, "decode", "--step-delay-s", "0.05")
     cluster.wait_nodes(["p0", "d0", "d1"])
     ps = prompts(16, seed=11, lo=5, hi=120)
-    streams = Streams(cluster, ps)
+    # Half greedy (checked against transformers), half seeded sampling with penalties (checked
+    # against an undisturbed run of the same requests): a continuation samples the same tokens.
+    sampled = {i: {"temperature": 0.9, "seed": i, "frequency_penalty": 0.5, "ignore_eos": True} for i in range(8)}
+    extra = [sampled.get(i, {}) for i in range(16)]
+    undisturbed = Streams(cluster, ps[:8], extra=extra[:8])
+    undisturbed.join()
+    streams = Streams(cluster, ps, extra=extra)
     streams.wait_tokens(3)
     victim = max(("d0", "d1"), key=lambda n: cluster.status_of(n)["num_running"])
     assert cluster.status_of(victim)["num_running"] > 0
     cluster.kill(victim)
     streams.join()
-    assert_exact(model_dir[1], ps, streams)
+    assert not any(streams.errors) and not any(undisturbed.errors)
+    assert streams.ids[:8] == undisturbed.ids
+    assert_exact(model_dir[1], ps, streams, rows=range(8, 16))
     assert retries(cluster) >= 1
     assert_no_blocks(cluster, ["p0", "d0" if victim == "d1" else "d1"])
 

@@ -55,7 +55,8 @@ def test_decode_node_death_mid_stream_continues_on_another(tokenizer):
             retried = [p for p in p0.prefills if "~1" in p.request_id]
             assert len(retried) == 1 and retried[0].decode_node_id == survivor.node_id
             # The continuation's prompt is the original plus what was streamed before the death.
-            assert len(retried[0].prompt_token_ids) > len(p0.prefills[0].prompt_token_ids)
+            streamed = len(retried[0].prompt_token_ids) - len(p0.prefills[0].prompt_token_ids)
+            assert streamed > 0 and retried[0].num_prior_output_tokens == streamed
             assert not h.router.requests
 
     run(scenario())
