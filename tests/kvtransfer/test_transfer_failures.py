@@ -170,26 +170,18 @@ def test_bad_decode_address_fails_and_releases(make_pair):
     pair.released.assert_released_once(["r1"])
 
 
-def test_injected_corrupt_payload_is_refused_and_released(make_pair):
-    pair = make_pair()
-    pair.sender.inject_fault("corrupt:1")
+@pytest.mark.parametrize("spec, pull_timeout_s, error", [
+    ("corrupt:1", 30.0, "bad KV payload"),  # one byte short: refused on arrival
+    ("drop:1", 0.3, "no KV data"),  # never sent: the pull times out
+])
+def test_injected_kv_faults_fail_the_pull_and_release_once(make_pair, spec, pull_timeout_s, error):
+    pair = make_pair(pull_timeout_s=pull_timeout_s)
+    pair.sender.inject_fault(spec)
     pair.send("r1", [0, 1], 20)
     pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
     pair.receiver.pull("r1", [2, 3])
     events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
-    assert "bad KV payload" in events[-1].error
-    pair.pump(lambda _: pair.sender.num_held == 0)
-    pair.released.assert_released_once(["r1"])
-
-
-def test_injected_drop_times_out_and_releases(make_pair):
-    pair = make_pair(pull_timeout_s=0.3)
-    pair.sender.inject_fault("drop:1")
-    pair.send("r1", [0, 1], 20)
-    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
-    pair.receiver.pull("r1", [2, 3])
-    events = pair.pump(lambda ev: "r1" in kinds(ev, "failed"))
-    assert "no KV data" in events[-1].error
+    assert error in events[-1].error
     pair.pump(lambda _: pair.sender.num_held == 0)
     pair.released.assert_released_once(["r1"])
 
