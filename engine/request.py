@@ -69,6 +69,9 @@ class Request:
                              f"[0, {len(self.prompt_token_ids)}), got {self.num_prior_output_tokens}")
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.all_token_ids.extend(self.output_token_ids)
+        k = self.num_prior_output_tokens  # split once: sampling_view runs every step
+        self._sampling_prompt = self.prompt_token_ids[:-k] if k else self.prompt_token_ids
+        self._prior_output = self.prompt_token_ids[-k:] if k else []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,10 +87,9 @@ class Request:
 
     def sampling_view(self) -> tuple[list[int], list[int]]:
         """(prompt, output) as sampling sees them: prior attempts' tokens count as output."""
-        k = self.num_prior_output_tokens
-        if not k:
+        if not self._prior_output:
             return self.prompt_token_ids, self.output_token_ids
-        return self.prompt_token_ids[:-k], self.prompt_token_ids[-k:] + self.output_token_ids
+        return self._sampling_prompt, self._prior_output + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -117,6 +117,9 @@ class RouterRequest:
         self.attempt = 0  # re-dispatches so far
         self.index_offset = 0  # output tokens delivered before the current attempt started
         self.last_listed = time.monotonic()  # a node's heartbeat last listed the current attempt
+        # What the current attempt sends the nodes: the prompt plus the tokens delivered before
+        # it, and the sampling parameters with the tokens left to generate.
+        self.attempt_prompt_ids, self.attempt_sampling = self.prompt_token_ids, sampling
 
     @property
     def wire_id(self) -> str:
@@ -128,20 +131,16 @@ class RouterRequest:
         """The current attempt's first token has been delivered (its prefill is over)."""
         return len(self.output_token_ids) > self.index_offset
 
-    def next_attempt(self) -> tuple[list[int], SamplingParams]:
-        """Start a new attempt; returns what to send the nodes: the prompt plus the tokens
-        delivered so far, and the sampling parameters with the tokens left to generate."""
+    def next_attempt(self) -> None:
+        """Start a new attempt, continuing from the tokens delivered so far."""
         self.attempt += 1
         self.index_offset = len(self.output_token_ids)
         self._pending.clear()  # the old attempt's out-of-order tokens; the new one resends them
         self.prefill_node_id = self.decode_node_id = ""
         self.last_listed = time.monotonic()
-        return self.attempt_prompt()
-
-    def attempt_prompt(self) -> tuple[list[int], SamplingParams]:
+        self.attempt_prompt_ids = self.prompt_token_ids + self.output_token_ids
         left = self.sampling.max_tokens - self.index_offset
-        return (self.prompt_token_ids + self.output_token_ids,
-                dataclasses.replace(self.sampling, max_tokens=left) if self.index_offset else self.sampling)
+        self.attempt_sampling = dataclasses.replace(self.sampling, max_tokens=left)
 
     @property
     def node_ids(self) -> list[str]:

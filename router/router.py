@@ -179,7 +179,7 @@ class Router:
 
     async def _dispatch(self, req: RouterRequest, route) -> bool:
         """Send the current attempt to `route`; False when the prefill node cannot be reached."""
-        prompt, sampling = req.attempt_prompt()
+        prompt, sampling = req.attempt_prompt_ids, req.attempt_sampling
         req.mark_dispatched(route.prefill.node_id, route.decode.node_id if route.decode else "")
         self.requests[req.wire_id] = req
         self.registry.add_request(route, req.wire_id, len(prompt), sampling.max_tokens)
@@ -203,15 +203,18 @@ class Router:
             self.metrics.observe_retry()
             logger.warning("re-dispatching %s as %s (%d tokens streamed): %s", req.request_id, req.wire_id,
                            req.index_offset, reason)
-            prompt, sampling = req.attempt_prompt()
             try:
-                route = self.registry.route(prompt, sampling.max_tokens, ignore_limits=True)
+                route = self._reroute(req)
             except NoNodeError as e:
                 await self._park(req, f"{reason}; no ready {e} node to retry on")
                 return
             if await self._dispatch(req, route):
                 return
             reason = f"prefill node {route.prefill.node_id} is unreachable"
+
+    def _reroute(self, req: RouterRequest):
+        """Nodes for a re-dispatched attempt (queue limits ignored: it is already streaming)."""
+        return self.registry.route(req.attempt_prompt_ids, req.attempt_sampling.max_tokens, ignore_limits=True)
 
     async def _park(self, req: RouterRequest, reason: str) -> None:
         """No node can take the next attempt now: hold it (its stream just pauses) until one is
@@ -230,10 +233,8 @@ class Router:
             if entry is None:
                 continue
             req, wait_until, reason = entry
-            prompt, sampling = req.attempt_prompt()
             try:
-                route = None if req.status.is_done else self.registry.route(prompt, sampling.max_tokens,
-                                                                             ignore_limits=True)
+                route = None if req.status.is_done else self._reroute(req)
             except NoNodeError:
                 if now > wait_until or (req.deadline is not None and now > req.deadline):
                     del self.parked[request_id]
@@ -307,10 +308,9 @@ class Router:
             return
         self._reregister_sent[node_id] = now
         logger.info("heartbeat from unknown node %s: asking it to register", node_id)
-        try:
-            await self._sock.send_multipart([node_id.encode(), encode(Reregister("unknown node"))], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # its main socket is not connected (yet): the next heartbeat asks again
-            logger.info("cannot ask node %s to register: %s", node_id, e)
+        # By convention a node's main socket has its id as identity. If it is not connected (yet),
+        # the send fails and a later heartbeat asks again.
+        await self._send_to(node_id.encode(), node_id, Reregister("unknown node"), log_level=logging.INFO)
 
     async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
         node = self.registry.remove(msg.node_id)
@@ -392,17 +392,20 @@ class Router:
         self.registry.release_request(req.node_ids, req.wire_id)
 
     async def _send(self, node: NodeInfo, msg: Message) -> bool:
+        return await self._send_to(node.identity, node.node_id, msg)
+
+    async def _send_to(self, identity: bytes, node_id: str, msg: Message, log_level: int = logging.WARNING) -> bool:
         # NOBLOCK: a node that stopped reading must not stall the router; the send fails instead.
         try:
             data = encode(msg)
         except (ValueError, TypeError, OverflowError) as e:  # a value msgpack cannot carry
-            logger.error("cannot encode %s for node %s: %s", msg.TYPE, node.node_id, e)
+            logger.error("cannot encode %s for node %s: %s", msg.TYPE, node_id, e)
             return False
         try:
-            await self._sock.send_multipart([node.identity, data], flags=zmq.NOBLOCK)
+            await self._sock.send_multipart([identity, data], flags=zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
-            logger.warning("cannot send %s to node %s: %s", msg.TYPE, node.node_id, e)
+            logger.log(log_level, "cannot send %s to node %s: %s", msg.TYPE, node_id, e)
             return False
 
     async def _monitor_loop(self) -> None:

@@ -95,7 +95,12 @@ async def router_retries(session: aiohttp.ClientSession, base_url: str) -> float
             text = await r.text()
     except aiohttp.ClientError:
         return 0.0
-    for line in text.splitlines():
+    return retries_in(text)
+
+
+def retries_in(metrics_text: str) -> float:
+    """`pdserve_request_retries_total` from a router's /metrics text (0 when absent)."""
+    for line in metrics_text.splitlines():
         if line.startswith("pdserve_request_retries_total"):
             return float(line.split()[-1])
     return 0.0

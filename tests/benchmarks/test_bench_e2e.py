@@ -13,26 +13,39 @@ from tests.e2e.stack import Stack
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_bench_serve_against_a_real_stack(tmp_path, capsys):
-    model_dir = tmp_path / "tiny"
-    save_tiny_model(model_dir, "llama")
-    save_tiny_tokenizer(model_dir)
-    stack = Stack(str(model_dir))
+@pytest.fixture
+def model_dir(tmp_path):
+    path = tmp_path / "tiny"
+    save_tiny_model(path, "llama")
+    save_tiny_tokenizer(path)
+    return path
+
+
+def bench(capsys, stack_kw: dict, *runs: list[str]) -> tuple[list[int], list[dict], str]:
+    """Start a stack, run `pdserve bench serve` once per argv (--base-url added), and return the
+    exit codes, every node's status once idle, and the printed output (also shown)."""
+    stack = Stack(**stack_kw)
     try:
-        code = main(["serve", "--base-url", stack.url, "--num-prompts", "8", "--random-input-len", "32",
-                     "--random-output-len", "8", "--random-range-ratio", "0.25", "--random-vocab-size", "256",
-                     "--max-concurrency", "4", "--num-warmups", "1", "--return-token-ids", "--disable-tqdm",
-                     "--goodput", "ttft:60000", "--save-json", str(tmp_path / "r.json"), "--plot", str(tmp_path)])
-        chat = main(["serve", "--base-url", stack.url, "--endpoint", "/v1/chat/completions", "--tokenizer",
-                     str(model_dir), "--num-prompts", "4", "--random-input-len", "16", "--random-output-len", "4",
-                     "--request-rate", "20", "--disable-tqdm", "--save-json", str(tmp_path / "chat.json")])
+        codes = [main(["serve", "--base-url", stack.url, *argv]) for argv in runs]
         idle = stack.wait_idle()
     finally:
         stack.close()
     out = capsys.readouterr().out
     with capsys.disabled():
         print("\n" + out)
-    assert code == 0 and chat == 0, out
+    return codes, idle, out
+
+
+def test_bench_serve_against_a_real_stack(tmp_path, model_dir, capsys):
+    codes, idle, out = bench(
+        capsys, {"model": str(model_dir)},
+        ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.25",
+         "--random-vocab-size", "256", "--max-concurrency", "4", "--num-warmups", "1", "--return-token-ids",
+         "--disable-tqdm", "--goodput", "ttft:60000", "--save-json", str(tmp_path / "r.json"), "--plot", str(tmp_path)],
+        ["--endpoint", "/v1/chat/completions", "--tokenizer", str(model_dir), "--num-prompts", "4",
+         "--random-input-len", "16", "--random-output-len", "4", "--request-rate", "20", "--disable-tqdm",
+         "--save-json", str(tmp_path / "chat.json")])
+    assert codes == [0, 0], out
     (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
     assert run["summary"]["completed"] == 8 and run["summary"]["failed"] == 0
     assert run["summary"]["num_good"] == 8
@@ -45,26 +58,17 @@ def test_bench_serve_against_a_real_stack(tmp_path, capsys):
     assert all(s["num_used_blocks"] == 0 for s in idle)
 
 
-def test_bench_serve_chaos_kills_nodes_and_accounts_for_every_request(tmp_path, capsys):
+def test_bench_serve_chaos_kills_nodes_and_accounts_for_every_request(tmp_path, model_dir, capsys):
     """--chaos-interval kills decode nodes mid-run; `pdserve serve` restarts them; every request
     either completes (re-dispatched by the router) or is reported with its error."""
-    model_dir = tmp_path / "tiny"
-    save_tiny_model(model_dir, "llama")
-    save_tiny_tokenizer(model_dir)
-    stack = Stack(str(model_dir), num_decode=2, decode_args="--step-delay-s 0.05",
-                  extra=["--router-args", "--heartbeat-timeout 1.5"])
-    try:
-        code = main(["serve", "--base-url", stack.url, "--num-prompts", "40", "--random-input-len", "32",
-                     "--random-output-len", "48", "--random-vocab-size", "256", "--max-concurrency", "16",
-                     "--disable-tqdm", "--chaos-interval", "3", "--chaos-roles", "decode", "--chaos-max-faults", "2",
-                     "--save-json", str(tmp_path / "chaos.json")])
-        idle = stack.wait_idle()
-    finally:
-        stack.close()
-    out = capsys.readouterr().out
-    with capsys.disabled():
-        print("\n" + out)
-    assert code == 0, out
+    stack_kw = {"model": str(model_dir), "num_decode": 2, "decode_args": "--step-delay-s 0.05",
+                "extra": ["--router-args", "--heartbeat-timeout 1.5"]}
+    codes, idle, out = bench(
+        capsys, stack_kw,
+        ["--num-prompts", "40", "--random-input-len", "32", "--random-output-len", "48", "--random-vocab-size", "256",
+         "--max-concurrency", "16", "--disable-tqdm", "--chaos-interval", "3", "--chaos-roles", "decode",
+         "--chaos-max-faults", "2", "--save-json", str(tmp_path / "chaos.json")])
+    assert codes == [0], out
     (run,) = json.loads((tmp_path / "chaos.json").read_text())["runs"]
     assert run["chaos"]["events"] and run["chaos"]["router_retries"] >= 1
     requests = run["requests"]

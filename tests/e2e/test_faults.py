@@ -11,9 +11,11 @@ import http.client
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
+from benchmarks.serve_bench.chaos import retries_in
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import hf_greedy, prompts
 
@@ -83,13 +85,8 @@ def assert_no_blocks(cluster: Cluster, names) -> None:
 
 
 def retries(cluster: Cluster) -> float:
-    import urllib.request
-
     with urllib.request.urlopen(cluster.url + "/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("pdserve_request_retries_total"):
-                return float(line.split()[-1])
-    return 0.0
+        return retries_in(r.read().decode())
 
 
 @pytest.fixture
