@@ -67,13 +67,13 @@ async def run_load(url: str, prompts: list[list[int]], max_tokens: int, concurre
 
 
 def run_stack(mode: str, args, prompts) -> dict:
+    from benchmarks.compare import stack_flags
     from tests.e2e.stack import Stack
 
-    kw = {"colocated": True, "num_nodes": 1} if mode == "colocated" else {"num_prefill": 1, "num_decode": 1}
-    extra = ["--dtype", args.dtype]
-    if args.num_threads:
-        extra += ["--num-threads", str(args.num_threads)]
-    stack = Stack(args.model, extra=extra, timeout=900, **kw)
+    # Every mode gets the machine's cores: 1P+1D one thread per node, one colocated node all of them.
+    kw, extra = stack_flags(mode, argparse.Namespace(num_threads=args.num_threads, device="cpu", serve_args=""),
+                            args.dtype)
+    stack = Stack(args.model, extra=extra, timeout=900, prefill_args=args.prefill_args, **kw)
     try:
         return asyncio.run(run_load(stack.url, prompts, args.output_len, args.concurrency))
     finally:
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=None, help="per node (default: cores / nodes)")
+    p.add_argument("--prefill-args", default="", help="extra flags for the prefill node (disagg mode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
