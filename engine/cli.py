@@ -69,8 +69,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
              "swap_space_gb", "num_threads", "enforce_eager", "seed")
     kwargs = {n: getattr(args, n) for n in names}
     if kwargs["max_num_batched_tokens"] is None:
-        prefill_only = getattr(args, "role", None) == "prefill" and args.device == "cpu"
-        kwargs["max_num_batched_tokens"] = CPU_PREFILL_BATCHED_TOKENS if prefill_only else DEFAULT_BATCHED_TOKENS
+        # Without chunked prefill a step must hold a whole prompt: keep the larger default then.
+        small = getattr(args, "role", None) == "prefill" and args.device == "cpu" and args.enable_chunked_prefill
+        kwargs["max_num_batched_tokens"] = CPU_PREFILL_BATCHED_TOKENS if small else DEFAULT_BATCHED_TOKENS
     return kwargs
 
 

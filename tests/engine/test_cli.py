@@ -19,6 +19,7 @@ def _node_args(module: str, argv: list[str]):
     ("prefill", [], CPU_PREFILL_BATCHED_TOKENS),  # a CPU prefill node takes smaller steps
     ("prefill", ["--device", "cuda"], DEFAULT_BATCHED_TOKENS),
     ("prefill", ["--role", "both"], DEFAULT_BATCHED_TOKENS),  # colocated: it decodes too
+    ("prefill", ["--no-enable-chunked-prefill"], DEFAULT_BATCHED_TOKENS),  # a step holds whole prompts
     ("prefill", ["--max-num-batched-tokens", "4096"], 4096),  # an explicit value always wins
     ("decode", [], DEFAULT_BATCHED_TOKENS),
     ("decode", ["--max-num-batched-tokens", "256"], 256),
