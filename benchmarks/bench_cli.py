@@ -18,6 +18,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from benchmarks.json_out import jsonable
 from benchmarks.serve_bench.arrivals import parse_rate
 from benchmarks.serve_bench.chaos import ChaosConfig, chaos_report
 from benchmarks.serve_bench.client import EndpointConfig, auth_headers
@@ -30,7 +31,7 @@ from benchmarks.serve_bench.datasets import (
 )
 from benchmarks.serve_bench.metrics import parse_percentiles, parse_slos, summarize
 from benchmarks.serve_bench.plots import plot_cdfs, plot_sweep
-from benchmarks.serve_bench.report import jsonable, print_summary, rate_label, save_json, sweep_table
+from benchmarks.serve_bench.report import print_summary, rate_label, save_json, sweep_table
 from benchmarks.serve_bench.runner import BenchmarkRun, LoadConfig, run_benchmark
 
 DEFAULT_SWEEP_DIR = "bench_sweep"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
@@ -29,12 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.e2e.stack, when run as a script
 
+from benchmarks.json_out import write_json  # noqa: E402
 from benchmarks.serve_bench.arrivals import parse_rate  # noqa: E402
 from benchmarks.serve_bench.client import EndpointConfig  # noqa: E402
 from benchmarks.serve_bench.datasets import SampleRequest, random_requests  # noqa: E402
 from benchmarks.serve_bench.metrics import parse_slos, summarize  # noqa: E402
 from benchmarks.serve_bench.plots import plot_bars, plot_sweep  # noqa: E402
-from benchmarks.serve_bench.report import jsonable, rate_label, run_to_dict  # noqa: E402
+from benchmarks.serve_bench.report import rate_label, run_to_dict  # noqa: E402
 from benchmarks.serve_bench.runner import BenchmarkRun, LoadConfig, run_benchmark  # noqa: E402
 
 SYSTEMS = ("disagg", "colocated", "hf")
@@ -149,7 +149,7 @@ def write_outputs(args: argparse.Namespace, config: dict, results: dict[str, lis
     print(f"\n{header}\n\n{table}\n")
     doc = {"config": config, "systems": {name: [run_to_dict(run, s) for run, s in runs]
                                           for name, runs in results.items()}}
-    (args.out / "compare.json").write_text(json.dumps(jsonable(doc), indent=1, allow_nan=False))
+    write_json(args.out / "compare.json", doc, indent=1)
     plot_bars({f"{name}\n@ {rate_label(run.request_rate)}": s for name, (run, s) in bar_runs(results).items()},
               args.out / "compare.png")
     if args.sweep:

@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.json_out import write_json  # noqa: E402
+
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16  # Llama-3.2-1B's attention
 BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [512, 1024, 2048, 4096, 8192]
@@ -226,8 +228,7 @@ def main() -> int:
         result["gather"] = bench_gather(args, dtype)
         print(f"gather/scatter: {result['gather']}", flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     print(json.dumps(result) if args.smoke else f"wrote {args.json}" if args.json else "done")
     return 0 if result.get("ok", result.get("check", {}).get("ok", True)) else 1
 

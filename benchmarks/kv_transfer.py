@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.json_out import jsonable, write_json  # noqa: E402
+
 
 def _time(fn, repeats: int) -> float:
     fn()
@@ -66,10 +68,10 @@ def main(argv=None) -> int:
     ok = torch.equal(dst_flat.index_select(1, d_slots), want)
     result = {"payload_bytes": payload, "triton_s": t_triton, "torch_s": t_torch,
               "triton_TBps": payload / t_triton / 1e12, "torch_TBps": payload / t_torch / 1e12, "bytes_identical": ok,
-              "args": vars(args) | {"json": str(args.json)}}
-    print(json.dumps(result, indent=2))
+              "args": vars(args)}
+    print(json.dumps(jsonable(result), indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0 if ok else 1
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
+
+from benchmarks.json_out import write_json  # noqa: E402
 
 
 def make_workload(num_requests: int, input_range, output_range, vocab_size: int, seed: int):
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
                     f" | ratio {run['ratio']:.2f}x"
         print(line, flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 0
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.json_out import write_json  # noqa: E402
+
 
 async def _one(session, url: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
                 results[f"{mode}_over_hf"] = ratio
                 print(f"{mode} / transformers static batching: {ratio:.2f}x")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_json(args.json, results)
     return 0
 
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
+from benchmarks.json_out import jsonable, write_json  # noqa: E402
 from kvtransfer.curve import CurveKeys, generate_keys, stop_authenticator  # noqa: E402
 from kvtransfer.messages import KVLayout, KVReady  # noqa: E402
 from kvtransfer.payload import DTYPES, gather_tokens  # noqa: E402
@@ -110,10 +111,10 @@ def main(argv=None) -> int:
     result = {"payload_bytes": payload_bytes, "plain_s": med["plain"], "curve_s": med["curve"],
               "plain_MBps": payload_bytes / med["plain"] / 1e6, "curve_MBps": payload_bytes / med["curve"] / 1e6,
               "curve_over_plain": med["plain"] / med["curve"], "times_s": times, "bytes_identical": ok,
-              "args": vars(args) | {"json": str(args.json)}}
-    print(json.dumps(result, indent=2))
+              "args": vars(args)}
+    print(json.dumps(jsonable(result), indent=2))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0 if ok else 1
 
 

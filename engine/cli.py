@@ -11,7 +11,6 @@ import argparse
 import logging
 import sys
 
-
 DEFAULT_BATCHED_TOKENS = 2048
 # A CPU's GEMMs run within ~5% of full speed at 512 tokens, so a prefill node that takes 512 prompt
 # tokens per step hands each first token (and its KV) to the decode node several times sooner than

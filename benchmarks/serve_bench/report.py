@@ -8,12 +8,12 @@ is not JSON.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
 from typing import TextIO
 
+from benchmarks.json_out import write_json
 from benchmarks.serve_bench.metrics import METRICS, percentile_key
 from benchmarks.serve_bench.runner import BenchmarkRun
 
@@ -88,21 +88,5 @@ def run_to_dict(run: BenchmarkRun, summary: dict) -> dict:
 
 
 def save_json(path: str | Path, config: dict, runs: list[tuple[BenchmarkRun, dict]]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"schema": SCHEMA, "config": config, "runs": [run_to_dict(run, s) for run, s in runs]}
-    path.write_text(json.dumps(jsonable(doc), indent=1, allow_nan=False))
-    return path
-
-
-def jsonable(value):
-    """`value` with non-finite floats as strings ("inf", "nan") and paths as text: strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
+    return write_json(path, doc, indent=1)
