@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
-	$(PY) benchmarks/offline.py
+	$(PY) -m benchmarks.offline
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -26,16 +26,14 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.e2e.stack, when run as a script
-
-from benchmarks.json_out import write_json  # noqa: E402
-from benchmarks.serve_bench.arrivals import parse_rate  # noqa: E402
-from benchmarks.serve_bench.client import EndpointConfig  # noqa: E402
-from benchmarks.serve_bench.datasets import SampleRequest, random_requests  # noqa: E402
-from benchmarks.serve_bench.metrics import parse_slos, summarize  # noqa: E402
-from benchmarks.serve_bench.plots import plot_bars, plot_sweep  # noqa: E402
-from benchmarks.serve_bench.report import rate_label, run_to_dict  # noqa: E402
-from benchmarks.serve_bench.runner import BenchmarkRun, LoadConfig, run_benchmark  # noqa: E402
+from pdserve.bench.arrivals import parse_rate
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.datasets import SampleRequest, random_requests
+from pdserve.bench.json_out import write_json
+from pdserve.bench.metrics import parse_slos, summarize
+from pdserve.bench.plots import plot_bars, plot_sweep
+from pdserve.bench.report import rate_label, run_to_dict
+from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
 
 SYSTEMS = ("disagg", "colocated", "hf")
 PERCENTILES = [50.0, 90.0, 99.0]
@@ -66,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    from engine.config import cpu_has_native_bf16
+    from pdserve.engine.config import cpu_has_native_bf16
 
     if dtype != "auto":
         return dtype
@@ -83,8 +81,8 @@ def stack_flags(system: str, args: argparse.Namespace, dtype: str) -> tuple[dict
 
 def bench_stack(system: str, args: argparse.Namespace, dtype: str, samples: list[SampleRequest],
                 rates: list[float]) -> list[BenchmarkRun]:
-    from benchmarks.bench_cli import first_model_id
-    from tests.e2e.stack import Stack
+    from pdserve.bench.cli import first_model_id
+    from pdserve.bench.stack import Stack
 
     kw, extra = stack_flags(system, args, dtype)
     print(f"starting {system}: pdserve serve {' '.join(extra)}", flush=True)
@@ -106,8 +104,8 @@ def bench_hf(args: argparse.Namespace, dtype: str, samples: list[SampleRequest])
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.serve_bench.hf_static import run_static_batches
-    from engine.loader import resolve_model
+    from pdserve.bench.hf_static import run_static_batches
+    from pdserve.engine.loader import resolve_model
 
     print("starting hf: transformers static batching", flush=True)
     torch.set_num_threads(args.hf_num_threads or os.cpu_count() or 1)
@@ -159,8 +157,8 @@ def write_outputs(args: argparse.Namespace, config: dict, results: dict[str, lis
 
 
 def workload(args: argparse.Namespace) -> list[SampleRequest]:
-    from engine.loader import resolve_model
-    from engine.model_config import ModelConfig
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(resolve_model(args.model)).vocab_size
     return random_requests(args.num_prompts, args.input_len, args.output_len, 0.0, vocab_size=vocab, seed=args.seed)

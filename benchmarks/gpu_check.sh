@@ -72,25 +72,25 @@ stage gpu_engine_tests 45 "$PY" -m pytest tests/engine/test_gpu_engine.py tests/
     -q -s -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_engine_tests.xml"
 
 # (3) Kernel micro-benchmarks: decode KV bandwidth against a device copy, store_kv, gather/scatter.
-stage kernel_bench 20 "$PY" benchmarks/kernels.py --batches 1 32 256 --contexts 1024 8192 --reps 5 \
+stage kernel_bench 20 "$PY" -m benchmarks.kernels --batches 1 32 256 --contexts 1024 8192 --reps 5 \
     --json "$OUT/kernels.json"
 
 # (4) Offline throughput on a Llama-3.2-1B-shaped random bf16 model: decode with CUDA graphs against
 # --enforce-eager (short prompts, long outputs, so decode dominates), then the nano-vllm workload
 # (inputs 100..1024 tokens) with outputs shortened to fit the budget, alone and against transformers.
-stage make_llama1b 20 "$PY" benchmarks/make_random_model.py --shape llama-1b --dtype bfloat16 --out /tmp/llama1b
-stage offline_graphs_vs_eager 35 "$PY" benchmarks/offline.py --model /tmp/llama1b --device cuda --dtype bfloat16 \
+stage make_llama1b 20 "$PY" -m benchmarks.make_random_model --shape llama-1b --dtype bfloat16 --out /tmp/llama1b
+stage offline_graphs_vs_eager 35 "$PY" -m benchmarks.offline --model /tmp/llama1b --device cuda --dtype bfloat16 \
     --num-requests 64 --max-num-seqs 64 --input-len 16 64 --output-len 128 256 --skip-hf --vs-eager --quiet \
     --json "$OUT/offline_graphs_vs_eager.json"
-stage offline_256 30 "$PY" benchmarks/offline.py --model /tmp/llama1b --device cuda --dtype bfloat16 \
+stage offline_256 30 "$PY" -m benchmarks.offline --model /tmp/llama1b --device cuda --dtype bfloat16 \
     --num-requests 256 --input-len 100 1024 --output-len 32 128 --skip-hf --quiet --json "$OUT/offline_256.json"
-stage offline_vs_hf_128 40 "$PY" benchmarks/offline.py --model /tmp/llama1b --device cuda --dtype bfloat16 \
+stage offline_vs_hf_128 40 "$PY" -m benchmarks.offline --model /tmp/llama1b --device cuda --dtype bfloat16 \
     --num-requests 128 --input-len 100 1024 --output-len 32 96 --quiet --json "$OUT/offline_vs_hf_128.json"
 
 # (5) The KV hand-off on the GPU: CUDA IPC between processes, then the pool-to-pool copy rate for a
 # 2,048-token request of the 1B shape (16 layers, 8 KV heads, head dim 64, bf16).
 stage cuda_ipc_tests 15 "$PY" -m pytest tests/kvtransfer/test_cuda_ipc.py -q -p no:cacheprovider
-stage kv_transfer_bench 15 "$PY" benchmarks/kv_transfer.py --json "$OUT/kv_transfer.json"
+stage kv_transfer_bench 15 "$PY" -m benchmarks.kv_transfer --json "$OUT/kv_transfer.json"
 stage gpu_disagg_e2e 40 "$PY" -m pytest tests/e2e/test_gpu_disagg.py -q -p no:cacheprovider
 
 # Summary: every stage's record in one file; exit 1 when any stage failed.

@@ -22,11 +22,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.json_out import write_json  # noqa: E402
+from pdserve.bench.json_out import write_json
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16  # Llama-3.2-1B's attention
 BATCHES = [1, 8, 32, 64, 128, 256]
@@ -86,7 +84,7 @@ def decode_batch(num_seqs: int, context: int, k_cache: torch.Tensor, gen: torch.
 
 
 def bench_decode(args, dtype: torch.dtype, copy_rate: float) -> list[dict]:
-    from kernels import paged_attention, triton_attention
+    from pdserve.kernels import paged_attention, triton_attention
 
     max_tokens = max(args.batches) * max(args.contexts)
     cache_shape = (max_tokens // BLOCK_SIZE, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -119,7 +117,7 @@ def bench_decode(args, dtype: torch.dtype, copy_rate: float) -> list[dict]:
 
 def check_decode(dtype: torch.dtype) -> dict:
     """Triton against the torch reference on one mid-size batch (and a long split one)."""
-    from kernels import paged_attention
+    from pdserve.kernels import paged_attention
 
     gen = torch.Generator().manual_seed(1)
     k_cache = torch.randn(4096, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -136,7 +134,7 @@ def check_decode(dtype: torch.dtype) -> dict:
 
 
 def bench_store_kv(args, dtype: torch.dtype) -> dict:
-    from kernels import store_kv
+    from pdserve.kernels import store_kv
 
     num_tokens, num_blocks = 8192, 4096
     key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -157,8 +155,8 @@ def bench_store_kv(args, dtype: torch.dtype) -> dict:
 
 def bench_gather(args, dtype: torch.dtype) -> dict:
     """One request of 4096 tokens out of a 16-layer pool (the KV transfer's send side), and back."""
-    from kernels.triton_cache import gather_tokens_triton, scatter_tokens_triton
-    from kvtransfer.payload import gather_tokens, scatter_tokens
+    from pdserve.kernels.triton_cache import gather_tokens_triton, scatter_tokens_triton
+    from pdserve.kvtransfer.payload import gather_tokens, scatter_tokens
 
     num_layers, num_blocks, num_tokens = 16, 2048, 4096
     pool = torch.randn(num_layers, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -180,7 +178,7 @@ def bench_gather(args, dtype: torch.dtype) -> dict:
 def smoke() -> dict:
     """CPU only: a tiny decode and prefill batch through the Triton interpreter against torch."""
     os.environ["TRITON_INTERPRET"] = "1"
-    from kernels import paged_attention
+    from pdserve.kernels import paged_attention
 
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen)

@@ -13,11 +13,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.json_out import jsonable, write_json  # noqa: E402
+from pdserve.bench.json_out import jsonable, write_json
 
 
 def _time(fn, repeats: int) -> float:
@@ -47,8 +45,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("kv_transfer.py measures GPU bandwidth: no CUDA device here", file=sys.stderr)
         return 2
-    from kernels.triton_cache import copy_tokens_triton
-    from kvtransfer.payload import slot_ids
+    from pdserve.kernels.triton_cache import copy_tokens_triton
+    from pdserve.kvtransfer.payload import slot_ids
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     n, L, H, D = args.num_tokens, args.num_layers, args.num_kv_heads, args.head_dim

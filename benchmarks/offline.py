@@ -21,11 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.json_out import write_json  # noqa: E402
+from pdserve.bench.json_out import write_json
 
 
 def make_workload(num_requests: int, input_range, output_range, vocab_size: int, seed: int):
@@ -36,7 +34,7 @@ def make_workload(num_requests: int, input_range, output_range, vocab_size: int,
 
 
 def run_engine(model_path: str, dtype: str, prompts, output_lens, args, enforce_eager: bool) -> dict:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(model_path, dtype=dtype, device=args.device, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_memory_gb,
@@ -117,8 +115,8 @@ def main(argv=None) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
 
-    from engine.loader import resolve_model
-    from engine.model_config import ModelConfig
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.model_config import ModelConfig
 
     model_path = str(resolve_model(args.model))
     vocab = ModelConfig.from_pretrained(model_path).vocab_size

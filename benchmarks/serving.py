@@ -19,9 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.json_out import write_json  # noqa: E402
+from pdserve.bench.json_out import write_json
 
 
 async def _one(session, url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -70,7 +68,7 @@ async def run_load(url: str, prompts: list[list[int]], max_tokens: int, concurre
 
 def run_stack(mode: str, args, prompts) -> dict:
     from benchmarks.compare import stack_flags
-    from tests.e2e.stack import Stack
+    from pdserve.bench.stack import Stack
 
     # Every mode gets the machine's cores: 1P+1D one thread per node, one colocated node all of them.
     kw, extra = stack_flags(mode, argparse.Namespace(num_threads=args.num_threads, device="cpu", serve_args=""),
@@ -87,7 +85,7 @@ def run_hf(args, prompts) -> dict:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.offline import _hf_batch
-    from engine.loader import resolve_model
+    from pdserve.engine.loader import resolve_model
 
     torch.set_num_threads(args.num_threads or torch.get_num_threads())
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
@@ -115,8 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    from engine.loader import resolve_model
-    from engine.model_config import ModelConfig
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(resolve_model(args.model)).vocab_size
     rng = random.Random(args.seed)

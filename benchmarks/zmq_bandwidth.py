@@ -17,19 +17,17 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import zmq
 
-import torch  # noqa: E402
-import zmq  # noqa: E402
-
-from benchmarks.json_out import jsonable, write_json  # noqa: E402
-from kvtransfer.curve import CurveKeys, generate_keys, stop_authenticator  # noqa: E402
-from kvtransfer.messages import KVLayout, KVReady  # noqa: E402
-from kvtransfer.payload import DTYPES, gather_tokens  # noqa: E402
-from kvtransfer.receiver import KVReceiver  # noqa: E402
-from kvtransfer.sender import KVSender  # noqa: E402
-from kvtransfer.shm import layout_shape  # noqa: E402
-from kvtransfer.sockets import context  # noqa: E402
+from pdserve.bench.json_out import jsonable, write_json
+from pdserve.kvtransfer.curve import CurveKeys, generate_keys, stop_authenticator
+from pdserve.kvtransfer.messages import KVLayout, KVReady
+from pdserve.kvtransfer.payload import DTYPES, gather_tokens
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import layout_shape
+from pdserve.kvtransfer.sockets import context
 
 
 def _wait(sender: KVSender, receiver: KVReceiver, kind: str, request_id: str, timeout_s: float = 60.0) -> None:

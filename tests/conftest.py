@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
 # Two cores: keep torch from oversubscribing them in test processes.
 os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from benchmarks.serve_bench.request_record import RequestRecord
+from pdserve.bench.request_record import RequestRecord
 from tests.benchmarks.fake_openai import FakeOpenAI, ServerThread
 
 

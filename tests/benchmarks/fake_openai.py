@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from router.launcher import free_port
+from pdserve.cli.serve import free_port
 
 MODEL = "fake-model"
 FAIL_HTTP, FAIL_STREAM = 7, 8

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.serve_bench.arrivals import arrival_offsets, parse_rate
+from pdserve.bench.arrivals import arrival_offsets, parse_rate
 
 
 def gaps(rate: float, burstiness: float, n: int = 20000, seed: int = 0) -> np.ndarray:

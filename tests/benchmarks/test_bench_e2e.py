@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from benchmarks.bench_cli import main
+from pdserve.bench.cli import main
+from pdserve.bench.stack import Stack
 from tests.conftest import save_tiny_model, save_tiny_tokenizer
-from tests.e2e.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

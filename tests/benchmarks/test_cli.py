@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench_cli import main
-from benchmarks.serve_bench.report import SCHEMA
+from pdserve.bench.cli import main
+from pdserve.bench.report import SCHEMA
 from tests.benchmarks.fake_openai import MODEL
 from tests.benchmarks.test_datasets import write_sharegpt
 
@@ -93,7 +93,7 @@ def test_bad_flags_and_unreachable_server_exit_2(fake, capsys):
 
 def test_ctrl_c_prints_the_partial_summary(fake, tmp_path):
     fake.ttft_s, fake.itl_s = 0.01, 0.01
-    cmd = [sys.executable, "-m", "benchmarks.bench_cli", "serve", "--base-url", fake.url, "--num-prompts", "200",
+    cmd = [sys.executable, "-m", "pdserve.bench.cli", "serve", "--base-url", fake.url, "--num-prompts", "200",
            "--request-rate", "20", "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm",
            "--save-json", str(tmp_path / "partial.json")]
     # A shell's background job starts with SIGINT ignored, and Python keeps that: give the child

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from benchmarks.serve_bench.client import EndpointConfig, build_body, send_request
-from benchmarks.serve_bench.datasets import SampleRequest
-from benchmarks.serve_bench.runner import BenchmarkRun, LoadConfig, run_benchmark
+from pdserve.bench.client import EndpointConfig, build_body, send_request
+from pdserve.bench.datasets import SampleRequest
+from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
 from tests.benchmarks.conftest import run
 from tests.benchmarks.fake_openai import FAIL_HTTP, FAIL_STREAM, MODEL
 

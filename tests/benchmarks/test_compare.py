@@ -7,8 +7,8 @@ import json
 import math
 
 from benchmarks.compare import bar_runs, markdown_table, write_outputs
-from benchmarks.serve_bench.metrics import summarize
-from benchmarks.serve_bench.runner import BenchmarkRun
+from pdserve.bench.metrics import summarize
+from pdserve.bench.runner import BenchmarkRun
 from tests.benchmarks.conftest import make_record
 
 

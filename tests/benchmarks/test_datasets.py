@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.serve_bench.datasets import (
+from pdserve.bench.datasets import (
     MIN_RANDOM_TOKEN_ID,
     count_tokens,
     first_exchange,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.serve_bench.datasets import random_requests
-from benchmarks.serve_bench.hf_static import run_static_batches
+from pdserve.bench.datasets import random_requests
+from pdserve.bench.hf_static import run_static_batches
 from tests.conftest import save_tiny_model
 
 

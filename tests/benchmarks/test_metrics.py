@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.serve_bench.metrics import parse_percentiles, parse_slos, percentile_key, summarize
+from pdserve.bench.metrics import parse_percentiles, parse_slos, percentile_key, summarize
 from tests.benchmarks.conftest import make_record
 
 

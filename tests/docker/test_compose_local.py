@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.launcher import free_port
+from pdserve.cli.serve import free_port
 from tests.conftest import save_tiny_model, save_tiny_tokenizer
 from tests.docker.compose import flag_value, services
 
@@ -45,7 +45,7 @@ def local_argv(command: list[str], model: str, ports: dict[str, int]) -> list[st
     for flag, value in values.items():
         if flag in argv:
             argv[argv.index(flag) + 1] = value
-    return [sys.executable, "-m", "engine.cli", *argv]
+    return [sys.executable, "-m", "pdserve.cli.main", *argv]
 
 
 def interpolate(value: str) -> str:

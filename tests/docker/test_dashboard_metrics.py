@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot
-from router.router import Router
+from pdserve.node.metrics import NodeMetrics, NodeSnapshot
+from pdserve.router.router import Router
 from tests.docker.compose import dashboard_exprs, metric_names
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}

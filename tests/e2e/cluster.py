@@ -12,10 +12,10 @@ import time
 import urllib.error
 import urllib.request
 
-from router.launcher import free_port
-from tests.e2e.stack import ROOT, HttpClient
+from pdserve.bench.stack import ROOT, HttpClient
+from pdserve.cli.serve import free_port
 
-NODE_MODULES = {"prefill": "prefill_node", "decode": "decode_node", "both": "prefill_node"}
+NODE_MODULES = {"prefill": "pdserve.prefill", "decode": "pdserve.decode", "both": "pdserve.prefill"}
 
 
 class Cluster(HttpClient):
@@ -45,7 +45,7 @@ class Cluster(HttpClient):
         return proc
 
     def start_router(self) -> None:
-        self._spawn("router", ["router", "--model", self.model, "--port", str(self.port), "--control-addr",
+        self._spawn("router", ["pdserve.router", "--model", self.model, "--port", str(self.port), "--control-addr",
                                self.control, "--log-level", "INFO", *self.router_args])
         self.wait(self._router_answers, 60, "the router")
 

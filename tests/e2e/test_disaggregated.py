@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 import torch
 
+from pdserve.bench.stack import Stack
 from tests.e2e.conftest import hf_greedy as _hf_greedy
 from tests.e2e.conftest import prompts
-from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 10
@@ -204,7 +204,7 @@ def test_default_model_over_http_equals_transformers():
     transformers' generate token for token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.loader import resolve_model
+    from pdserve.engine.loader import resolve_model
 
     path = resolve_model("smollm2")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

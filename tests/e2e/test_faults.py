@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from benchmarks.serve_bench.chaos import retries_in
+from pdserve.bench.chaos import retries_in
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import hf_greedy, prompts
 

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from kvtransfer.curve import generate_keys
+from pdserve.kvtransfer.curve import generate_keys
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import hf_greedy, prompts
 

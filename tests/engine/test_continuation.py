@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 99, 3, 42, 200, 7, 64, 128, 11]
 MAX_TOKENS = 24

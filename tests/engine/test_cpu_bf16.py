@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from engine.models.cpu_bf16 import Bf16ViaFp32Linear, use_fp32_gemms_for_bf16
+from pdserve.engine.models.cpu_bf16 import Bf16ViaFp32Linear, use_fp32_gemms_for_bf16
 
 
 def test_matches_a_bf16_gemm_with_fp32_accumulation():

@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.attention_metadata import AttentionMetadata
-from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.llm_engine import LLMEngine
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention_metadata import AttentionMetadata
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from pdserve.engine.llm_engine import LLMEngine
 from tests.conftest import assert_no_leak, save_tiny_model
 from tests.engine.test_generate_parity import hf_greedy, make_prompts
 
@@ -43,7 +43,7 @@ def test_capture_sizes_and_buckets():
 def test_enforce_eager_flag_reaches_the_config(tmp_path):
     import argparse
 
-    from engine.cli import add_engine_args, engine_kwargs
+    from pdserve.cli.main import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import assert_no_leak, save_tiny_model
 
 MAX_TOKENS = 12
@@ -39,7 +39,7 @@ def tiny(request, tmp_path_factory):
     if request.param == "smollm2":
         from transformers import AutoModelForCausalLM
 
-        from engine.loader import resolve_model
+        from pdserve.engine.loader import resolve_model
 
         path = resolve_model("smollm2")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.conftest import save_tiny_model
 from tests.engine.test_generate_parity import hf_greedy, make_prompts
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 from tests.conftest import assert_no_leak, save_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [99] * 20, list(range(100, 103))]

@@ -1,4 +1,4 @@
-"""engine.loader: resolving models, converting GGUF files into the cache, reading safetensors.
+"""pdserve.engine.loader: resolving models, converting GGUF files into the cache, reading safetensors.
 
 The GGUF here is a tiny llama written with the `gguf` package, with a byte-level BPE tokenizer in
 its metadata, the way llama.cpp writes SmolLM2's; nothing is downloaded.
@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import loader
-from engine.loader import (
+from pdserve.engine import loader
+from pdserve.engine.loader import (
     DEFAULT_MODEL_ALIAS,
     DEFAULT_MODEL_NAME,
     cache_dir,
@@ -327,7 +327,7 @@ def test_concurrent_conversions_are_safe(tiny_gguf, private_cache: Path, locked:
         f"""
         import contextlib, sys
         sys.path.insert(0, {str(REPO_ROOT)!r})
-        from engine import loader
+        from pdserve.engine import loader
         if not {locked}:
             loader.conversion_lock = lambda target: contextlib.nullcontext()
         print(loader.resolve_model({str(gguf_path)!r}))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (
+from pdserve.engine.sampler import (
     Sampler,
     SamplingInput,
     apply_penalties,
@@ -16,7 +16,7 @@ from engine.sampler import (
     draw,
     seeded_uniform,
 )
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 50
 

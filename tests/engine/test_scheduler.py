@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.request import RequestStatus
+from pdserve.engine.request import RequestStatus
 from tests.conftest import assert_no_leak, make_request, make_scheduler
 
 
@@ -239,8 +239,8 @@ def test_random_workloads_finish_every_request_and_leak_nothing(specs, max_seqs_
 
 
 def test_the_watermark_never_blocks_a_lone_request():
-    from engine.block_manager import BlockManager
-    from engine.scheduler import Scheduler, SchedulerConfig
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
     bm = BlockManager(10, 4, watermark=0.3)  # 3 blocks held back for growth
     sched = Scheduler(SchedulerConfig(max_model_len=40, max_num_batched_tokens=64), bm)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import paged_attention, reference, store_kv
+from pdserve.kernels import paged_attention, reference, store_kv
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2

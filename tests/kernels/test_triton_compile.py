@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import triton_attention, triton_cache, triton_norm
+from pdserve.kernels import triton_attention, triton_cache, triton_norm
 
 H200 = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED = 232448  # bytes of shared memory one block may opt into on sm_90

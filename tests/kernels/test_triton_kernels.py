@@ -15,10 +15,10 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels import paged_attention, reference, store_kv, triton_attention
-from kernels.triton_cache import copy_tokens_triton, gather_tokens_triton, scatter_tokens_triton
-from kernels.triton_norm import rms_norm, rms_norm_torch, rotary_embedding, rotary_torch
-from kvtransfer import payload
+from pdserve.kernels import paged_attention, reference, store_kv, triton_attention
+from pdserve.kernels.triton_cache import copy_tokens_triton, gather_tokens_triton, scatter_tokens_triton
+from pdserve.kernels.triton_norm import rms_norm, rms_norm_torch, rotary_embedding, rotary_torch
+from pdserve.kvtransfer import payload
 from tests.kernels.test_reference import (
     MIXED_Q_LENS,
     MIXED_SEQ_LENS,

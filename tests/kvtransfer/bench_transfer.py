@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from kvtransfer.messages import KVLayout, KVReady
-from kvtransfer.payload import DTYPES, copy_tokens, gather_tokens, scatter_tokens
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.shm import SharedKVPool, layout_shape
+from pdserve.kvtransfer.messages import KVLayout, KVReady
+from pdserve.kvtransfer.payload import DTYPES, copy_tokens, gather_tokens, scatter_tokens
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import SharedKVPool, layout_shape
 
 
 def layout(block_size: int, num_blocks: int) -> KVLayout:

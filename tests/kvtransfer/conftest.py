@@ -9,11 +9,11 @@ from collections import Counter
 import pytest
 import torch
 
-from kvtransfer.messages import KVLayout, KVReady
-from kvtransfer.payload import DTYPES
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.shm import SharedKVPool, layout_shape
+from pdserve.kvtransfer.messages import KVLayout, KVReady
+from pdserve.kvtransfer.payload import DTYPES
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import SharedKVPool, layout_shape
 
 DTYPE_NAMES = ["float32", "bfloat16"]
 

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from kvtransfer.messages import KVLayout
+from pdserve.kvtransfer.messages import KVLayout
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in gpu_check.sh)")]
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
 SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, num_blocks=8)
 _OWNER = """
 import sys, msgpack, torch
-from kvtransfer.cuda_ipc import export_pool, device_uuid
+from pdserve.kvtransfer.cuda_ipc import export_pool, device_uuid
 pool = torch.arange(2 * 2 * 8 * 16 * 2 * 16, dtype=torch.float32, device="cuda").view(2, 2, 8, 16, 2, 16)
 sys.stdout.buffer.write(msgpack.packb({"info": export_pool(pool), "uuid": device_uuid(pool.device)}) + b"\\n")
 sys.stdout.flush()
@@ -28,7 +28,7 @@ sys.stdin.readline()  # keep the pool alive until the parent has read it
 
 
 def test_a_peer_process_maps_the_pool_by_handle():
-    from kvtransfer.cuda_ipc import open_peer_pool
+    from pdserve.kvtransfer.cuda_ipc import open_peer_pool
 
     owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:

@@ -16,7 +16,7 @@ import zmq.auth
 from zmq.auth.thread import AuthenticationThread
 from zmq.utils.monitor import recv_monitor_message
 
-from kvtransfer.curve import (
+from pdserve.kvtransfer.curve import (
     CurveKeys,
     apply_client,
     apply_server,
@@ -25,10 +25,10 @@ from kvtransfer.curve import (
     start_authenticator,
     stop_authenticator,
 )
-from kvtransfer.payload import gather_tokens
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.sockets import context, endpoint, make_socket
+from pdserve.kvtransfer.payload import gather_tokens
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.sockets import context, endpoint, make_socket
 
 from .conftest import FakeClock, Pair, ReleaseLog, kinds, make_layout, make_pool, same_bytes
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.lease import LeaseTable
 
 from .conftest import FakeClock, ReleaseLog
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtransfer import messages as m
+from pdserve.kvtransfer import messages as m
 
 LAYOUT = m.KVLayout(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
                     num_blocks=64, shm_name="pdserve-x", probe_token="ab12")

@@ -11,9 +11,9 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtransfer.messages import PrefillRequest
-from kvtransfer.node_metrics import NodeMetrics, NodeSnapshot
-from kvtransfer.router_link import RouterLink, StatusServer, advertise_host, advertised_addr
+from pdserve.kvtransfer.messages import PrefillRequest
+from pdserve.node.metrics import NodeMetrics, NodeSnapshot
+from pdserve.node.router_link import RouterLink, StatusServer, advertise_host, advertised_addr
 
 NODE = {"node_id": "n0", "role": "prefill"}
 
@@ -98,18 +98,18 @@ def test_advertised_address():
 
 # ---- a real hand-off between two in-process nodes -------------------------------------------
 def make_engine(model_dir):
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model_path=model_dir, dtype="float32", num_kv_blocks=64, num_threads=1))
 
 
 def test_handoff_moves_node_metrics(tiny_llama, no_leak):
-    from decode_node.node import DecodeNode
-    from kvtransfer.node_messages import kv_layout, register_message
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.sender import KVSender
-    from prefill_node.node import PrefillNode
+    from pdserve.decode.node import DecodeNode
+    from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.sender import KVSender
+    from pdserve.node.messages import kv_layout, register_message
+    from pdserve.prefill.node import PrefillNode
 
     router = zmq.Context.instance().socket(zmq.ROUTER)  # stands in for the router: takes what nodes send
     router.bind("tcp://127.0.0.1:*")

@@ -1,8 +1,14 @@
 import pytest
 import torch
 
-from kvtransfer import payload
-from kvtransfer.payload import copy_tokens, frame_to_tensor, gather_tokens, scatter_tokens, tensor_to_frame
+from pdserve.kvtransfer import payload
+from pdserve.kvtransfer.payload import (
+    copy_tokens,
+    frame_to_tensor,
+    gather_tokens,
+    scatter_tokens,
+    tensor_to_frame,
+)
 
 from .conftest import DTYPE_NAMES, make_layout, make_pool, reference_tokens, same_bytes
 

@@ -7,9 +7,9 @@ import time
 
 import zmq
 
-from kvtransfer.messages import Abort, Deregister, Register, Reregister, decode
-from kvtransfer.router_link import RouterLink, serve_node
-from kvtransfer.sockets import endpoint, make_socket
+from pdserve.kvtransfer.messages import Abort, Deregister, Register, Reregister, decode
+from pdserve.kvtransfer.sockets import endpoint, make_socket
+from pdserve.node.router_link import RouterLink, serve_node
 
 
 def register_msg() -> Register:

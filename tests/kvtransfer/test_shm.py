@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from kvtransfer.shm import (
+from pdserve.kvtransfer.shm import (
     PROBE_BYTES,
     SHM_DIR,
     SharedKVPool,

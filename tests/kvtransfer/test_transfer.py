@@ -8,11 +8,11 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer.messages import Handshake, HandshakeAck, KVData, KVReady
-from kvtransfer.payload import gather_tokens
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.sockets import make_socket, recv_msg, send_msg
+from pdserve.kvtransfer.messages import Handshake, HandshakeAck, KVData, KVReady
+from pdserve.kvtransfer.payload import gather_tokens
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.sockets import make_socket, recv_msg, send_msg
 
 from .conftest import DTYPE_NAMES, ReleaseLog, kinds, make_layout, make_pool, make_ready, pump, same_bytes
 

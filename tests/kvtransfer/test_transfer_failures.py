@@ -4,8 +4,8 @@ misuse) still ends with the prefill node's blocks released exactly once."""
 import pytest
 import zmq
 
-from kvtransfer.messages import Handshake, HandshakeAck, KVDone, KVPull
-from kvtransfer.sockets import make_socket, recv_msg, send_msg
+from pdserve.kvtransfer.messages import Handshake, HandshakeAck, KVDone, KVPull
+from pdserve.kvtransfer.sockets import make_socket, recv_msg, send_msg
 
 from .conftest import FakeClock, kinds, make_layout, make_ready
 

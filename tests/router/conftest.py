@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import create_app
-from router.router import Router
+from pdserve.router.app import create_app
+from pdserve.router.router import Router
 from tests.conftest import save_tiny_tokenizer
 from tests.router.fake_node import FakeNode
 

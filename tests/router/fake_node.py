@@ -18,8 +18,8 @@ import os
 import zmq
 import zmq.asyncio
 
-from engine.sampling_params import SamplingParams
-from kvtransfer.messages import (
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.messages import (
     Abort,
     Deregister,
     Error,

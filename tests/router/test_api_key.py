@@ -8,7 +8,7 @@ import contextlib
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from router.app import create_app
+from pdserve.router.app import create_app
 from tests.router.conftest import MODEL, run, serving
 from tests.router.fake_node import FakeNode
 

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from kvtransfer.messages import (
+from pdserve.kvtransfer.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Abort,
@@ -22,7 +22,7 @@ from kvtransfer.messages import (
     PrefillRequest,
     Register,
 )
-from router.app import create_app
+from pdserve.router.app import create_app
 from tests.router.conftest import run, serving, split_pair, wait_until
 from tests.router.fake_node import FakeNode
 

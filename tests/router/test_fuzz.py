@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.openapi import CHAT_REQUEST, COMPLETION_REQUEST
+from pdserve.router.openapi import CHAT_REQUEST, COMPLETION_REQUEST
 from tests.router.conftest import MODEL, serving, wait_until
 from tests.router.fake_node import FakeNode
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.sampling_params import SamplingParams
-from router.metrics import TTFT_STAGES, RouterMetrics
-from router.request_state import RouterRequest
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.metrics import TTFT_STAGES, RouterMetrics
+from pdserve.router.request_state import RouterRequest
 from tests.router.conftest import run, serving, split_pair, wait_until
 from tests.router.fake_node import FakeNode
 

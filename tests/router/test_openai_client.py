@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
-from router.app import create_app
-from router.router import Router
+from pdserve.router.app import create_app
+from pdserve.router.router import Router
 from tests.router.conftest import MODEL, wait_until
 from tests.router.fake_node import FakeNode
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from router.app import MAX_BODY_BYTES, OPEN_PATHS, create_app
-from router.openai_protocol import ProtocolError, parse_chat, parse_completion
-from router.openapi import CHAT_REQUEST, COMPLETION_REQUEST, openapi_spec
-from router.router import Router
+from pdserve.router.app import MAX_BODY_BYTES, OPEN_PATHS, create_app
+from pdserve.router.openai_protocol import ProtocolError, parse_chat, parse_completion
+from pdserve.router.openapi import CHAT_REQUEST, COMPLETION_REQUEST, openapi_spec
+from pdserve.router.router import Router
 from tests.router.conftest import MODEL, run, serving
 from tests.router.fake_node import FakeNode
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.messages import Heartbeat, Register
-from router.registry import NoNodeError, Registry
+from pdserve.kvtransfer.messages import Heartbeat, Register
+from pdserve.router.registry import NoNodeError, Registry
 
 
 def add(reg: Registry, node_id: str, role: str, *, free: int = 100, ready: bool = True, now: float = 0.0,

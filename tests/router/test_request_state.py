@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from engine.sampling_params import SamplingParams
-from kvtransfer.messages import Token
-from router.request_state import RequestStatus, RouterError, RouterRequest
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.messages import Token
+from pdserve.router.request_state import RequestStatus, RouterError, RouterRequest
 
 
 def make(tokenizer, prompt: str = "Say: ", **params) -> RouterRequest:

@@ -1,1 +1,0 @@
-"""decode_node: built in a later issue (see the README)."""

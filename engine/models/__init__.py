@@ -1,5 +1,0 @@
-"""Model implementations over the flattened batch. One family for now: Llama (Mistral, Qwen2)."""
-
-from engine.models.llama import LlamaForCausalLM
-
-__all__ = ["LlamaForCausalLM"]

@@ -1,0 +1,122 @@
+"""The prompts a benchmark sends: random token ids (vLLM's `random` dataset) or ShareGPT conversations.
+
+Lengths follow vLLM: with `range_ratio` r, input and output lengths are drawn uniformly from the
+integers in [floor(len * (1 - r)), ceil(len * (1 + r))] (outputs at least 1). Random prompts are
+token ids, which the completions endpoint takes as they are, so the server sees exactly the drawn
+length and no two prompts share a prefix; chat needs text, so there the ids are decoded with the
+tokenizer when one is given, else the prompt is that many random common words (about one token each).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+# Ids below this are often special tokens (BOS, EOS, chat markers); random prompts avoid them.
+MIN_RANDOM_TOKEN_ID = 10
+
+_WORDS = ("the of and to in is was for on that with as by at from his her an which are this be had not "
+          "but have one were they all their there been has when who will more no if out so said what up "
+          "its about than into them can only other new some could time these two may then do first any "
+          "my now such like our over man me even most made after also did many before must through back "
+          "years where much your way well down should because each just those people how too little state "
+          "good very make world still own see men work long get here between both life being under never "
+          "day same another know while last might us great old year off come since against go came right").split()
+
+
+@dataclass
+class SampleRequest:
+    prompt: str | list[int]  # text, or token ids (completions endpoint only)
+    prompt_len: int  # tokens (estimated as chars / 4 for text without a tokenizer)
+    output_len: int  # the max_tokens to ask for
+
+    def __post_init__(self) -> None:
+        if self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
+
+
+def length_range(length: int, range_ratio: float, minimum: int = 1) -> tuple[int, int]:
+    """The inclusive [low, high] range of lengths vLLM draws from."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"random range ratio must be in [0, 1), got {range_ratio}")
+    return max(minimum, math.floor(length * (1 - range_ratio))), max(minimum, math.ceil(length * (1 + range_ratio)))
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float, *, vocab_size: int,
+                    seed: int = 0, as_text: bool = False, tokenizer=None) -> list[SampleRequest]:
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    rng = random.Random(seed)
+    in_lo, in_hi = length_range(input_len, range_ratio)
+    out_lo, out_hi = length_range(output_len, range_ratio)
+    out = []
+    for _ in range(num_prompts):
+        n_in, n_out = rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)
+        ids = [rng.randrange(MIN_RANDOM_TOKEN_ID, vocab_size) for _ in range(n_in)]
+        prompt: str | list[int] = ids
+        if as_text:
+            prompt = tokenizer.decode(ids) if tokenizer is not None else " ".join(rng.choices(_WORDS, k=n_in))
+        out.append(SampleRequest(prompt, n_in, n_out))
+    return out
+
+
+def count_tokens(text: str, tokenizer=None) -> int:
+    if tokenizer is not None:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+    return max(1, len(text) // 4)  # about four characters a token in English BPE vocabularies
+
+
+def first_exchange(conversation: list[dict]) -> tuple[str, str] | None:
+    """The first human turn and the model's reply to it, or None when either is missing."""
+    for i, turn in enumerate(conversation):
+        if turn.get("from") in ("human", "user"):
+            for reply in conversation[i + 1:]:
+                if reply.get("from") in ("gpt", "assistant", "chatgpt"):
+                    return str(turn.get("value", "")), str(reply.get("value", ""))
+            return None
+    return None
+
+
+def sharegpt_requests(path: str | Path, num_prompts: int, *, seed: int = 0, tokenizer=None,
+                      output_len_cap: int | None = None) -> list[SampleRequest]:
+    """`num_prompts` conversations drawn in a seeded order (fewer if the file has fewer usable ones).
+    The output length is the reply's length, capped at `output_len_cap`."""
+    entries = json.loads(Path(path).read_text())
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}}")
+    order = list(range(len(entries)))
+    random.Random(seed).shuffle(order)
+    out = []
+    for i in order:
+        pair = first_exchange(entries[i].get("conversations") or []) if isinstance(entries[i], dict) else None
+        if pair is None or not pair[0].strip():
+            continue
+        prompt, reply = pair
+        n_out = count_tokens(reply, tokenizer) if reply else 1
+        if output_len_cap is not None:
+            n_out = min(n_out, output_len_cap)
+        out.append(SampleRequest(prompt, count_tokens(prompt, tokenizer), max(1, n_out)))
+        if len(out) == num_prompts:
+            break
+    return out
+
+
+def load_tokenizer(name: str | None):
+    """A transformers tokenizer from a local folder (or pdserve's model alias); None without a name."""
+    if not name:
+        return None
+    from transformers import AutoTokenizer
+
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        from pdserve.engine.loader import resolve_model  # the "smollm2" alias and .gguf files
+
+        path = resolve_model(name)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def vocab_size_of(tokenizer, default: int) -> int:
+    return len(tokenizer) if tokenizer is not None else default

@@ -1,0 +1,1 @@
+"""The `pdserve` command line: one subcommand per role, tool and offline use."""

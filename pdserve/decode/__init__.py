@@ -1,0 +1,1 @@
+"""pdserve.decode: built in a later issue (see the README)."""

@@ -1,0 +1,177 @@
+"""The engine loop shared by the offline API and the nodes: schedule, run, postprocess.
+
+    step():  out = scheduler.schedule()          # which tokens of which requests, which blocks
+             sampled = runner.execute(out)       # one forward over the flattened batch + sampling
+             finished = scheduler.postprocess()  # append tokens, stop checks, release blocks
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+_GIB = 1 << 30
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # ends with the EOS / stop token that ended the request, as transformers' generate
+    text: str  # without special tokens and stop strings
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per output token
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None, kv_allocator=None) -> None:
+        """`kv_allocator(shape, dtype, device) -> Tensor` places the KV pool (a prefill node puts it
+        in shared memory so a decode node on the same host can map it); default torch.zeros."""
+        self.config = config
+        self.tokenizer = tokenizer
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
+        self.runner = ModelRunner(config, self.model_config, self._model_len_limit())
+        num_blocks, num_host_blocks = self._size_pools()
+        # A lone request must always fit the pool, or preemption could never make room for it.
+        config.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
+        self.runner.allocate_kv(num_blocks, num_host_blocks, kv_allocator)
+        if config.use_cuda_graphs:  # at start-up, not on the first request; logs the capture time
+            self.runner.init_decode_graphs(config.max_model_len)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            num_host_blocks=num_host_blocks,
+        )
+        sched_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.scheduler = Scheduler(sched_config, self.block_manager, self.model_config.eos_token_ids)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        logger.info("engine ready: %d KV blocks of %d tokens, %d host blocks, dtype %s, max_model_len %d",
+                    num_blocks, config.block_size, num_host_blocks, config.torch_dtype, config.max_model_len)
+
+    def _size_pools(self) -> tuple[int, int]:
+        """(device KV blocks, host swap blocks): as asked, else from the memory settings."""
+        cfg = self.config
+        bytes_per_block = (self.model_config.kv_elements_per_token * cfg.block_size
+                           * torch.tensor([], dtype=cfg.torch_dtype).element_size())
+        num_blocks = cfg.num_kv_blocks
+        if num_blocks is None and cfg.device.startswith("cuda"):
+            num_blocks = self.runner.profile_num_kv_blocks(bytes_per_block, cfg.gpu_memory_utilization)
+        elif num_blocks is None:
+            num_blocks = max(1, int(cfg.kv_cache_memory_gb * _GIB // bytes_per_block))
+        return num_blocks, int(cfg.swap_space_gb * _GIB // bytes_per_block)
+
+    def _model_len_limit(self) -> int:
+        """The longest sequence this model serves here (before the pool size caps it)."""
+        mc, cfg = self.model_config, self.config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:
+            limit = min(limit, mc.sliding_window)  # no sliding-window attention: stay inside the window
+        if cfg.max_model_len is not None and cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's limit of {limit} tokens")
+        return cfg.max_model_len or limit
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0, num_prior_output_tokens: int = 0) -> str:
+        """Queue a request; `num_prior_output_tokens` > 0 continues one: the prompt's last n tokens
+        were generated by an earlier attempt (seeded draws and penalties go on from there)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        vocab = self.model_config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise ValueError(f"request {request_id}: prompt token ids must be in [0, {vocab})")
+        request = Request(request_id, list(prompt_token_ids), params, priority=priority,
+                          num_prior_output_tokens=num_prior_output_tokens)
+        self.scheduler.add_request(request)
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self.detokenizers.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def warm_up(self) -> None:
+        """Run one tiny request (a prefill and a decode step) so that lazy start-up costs (allocator
+        growth, kernel compilation, a CUDA context) do not land on the first real request. The
+        counters it moved are put back, so metrics show real traffic only."""
+        bm, sched = self.block_manager, self.scheduler
+        saved = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
+        self.add_request([0, 1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                         request_id="pdserve-warm-up")
+        while self.has_unfinished():
+            self.step_requests()
+        bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions = saved
+
+    # ---- one iteration ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs for requests that finished in it."""
+        finished = []
+        for request in self.step_requests():
+            if not request.is_finished and self._hit_stop_string(request):
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                finished.append(request)
+        return [self._output(r) for r in finished]
+
+    def step_requests(self) -> list[Request]:
+        """Run one iteration; returns every request that got a new token in it (finished ones
+        included, their blocks already released). The nodes stream from this."""
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        self.scheduler.postprocess(out, sampled)
+        return [item.request for item in out.scheduled if item.request.request_id in sampled]
+
+    def _hit_stop_string(self, request: Request) -> bool:
+        detok = self.detokenizers.get(request.request_id)
+        if detok is None or not detok.stop:
+            return False
+        detok.add_tokens(request.output_token_ids[-1:])
+        return detok.stopped
+
+    def _output(self, request: Request) -> RequestOutput:
+        detok = self.detokenizers.pop(request.request_id, None)
+        text = ""
+        if detok is not None:
+            # Without stop strings nothing was decoded per step: decode once now.
+            detok.add_tokens([] if detok.stop else request.output_token_ids, final=True)
+            text = detok.text
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finish_reason=request.finish_reason,
+            logprobs=request.output_logprobs if request.params.logprobs is not None else None,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics={"num_preemptions": request.num_preemptions},
+        )

@@ -1,0 +1,194 @@
+"""Turns a `SchedulerOutput` into one forward pass and the sampled tokens.
+
+Owns the model weights and the KV pool: one backing buffer per node,
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so a peer on the same host
+can map the whole pool with one handle; per-layer K and V are views into it. With swap space, a
+host buffer of the same layout holds preempted requests' blocks.
+
+Decode-only steps can run through `DecodeGraphs` (engine/cuda_graphs.py): CUDA graphs on static,
+padded buffers. On CUDA a step's host tensors are staged in pinned memory and copied without
+blocking, so building a step costs no host-device sync; for greedy rows without logprobs,
+reading the sampled tokens back is the step's only one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.engine.attention_metadata import AttentionMetadata
+from pdserve.engine.config import EngineConfig, cpu_has_native_bf16
+from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.loader import iter_safetensors
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import LlamaForCausalLM
+from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
+from pdserve.engine.sampler import Sampler, SamplingInput
+from pdserve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len  # sizes the RoPE tables
+        self.model = self._load_model()
+        self.sampler = Sampler(seed=config.seed)
+        self.kv_buffer: torch.Tensor | None = None
+        self.host_buffer: torch.Tensor | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        mc = self.model_config
+        return (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+
+    def allocate_kv(self, num_blocks: int, num_host_blocks: int, kv_allocator=None) -> None:
+        """The node's KV pool (one buffer, per-layer views) and the host swap buffer."""
+        allocate = kv_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+        self.kv_buffer = allocate(self.kv_shape(num_blocks), self.dtype, self.device)
+        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(self.model_config.num_layers)]
+        if num_host_blocks:
+            self.host_buffer = torch.zeros(self.kv_shape(num_host_blocks), dtype=self.dtype, device="cpu")
+
+    @torch.inference_mode()
+    def init_decode_graphs(self, max_model_len: int) -> None:
+        """Route decode-only steps through static padded buffers and, on CUDA, capture one graph
+        per batch bucket. Call after allocate_kv: the graphs bake in the pool's addresses. On the
+        CPU nothing is captured and the padded path runs eagerly (how the tests exercise it)."""
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, max_num_seqs=self.config.max_num_seqs, max_model_len=max_model_len,
+            block_size=self.block_size, device=self.device,
+        )
+        if self.device.type == "cuda":
+            self.decode_graphs.capture()
+
+    @torch.inference_mode()
+    def profile_num_kv_blocks(self, bytes_per_block: int, gpu_memory_utilization: float) -> int:
+        """CUDA: run one forward at the full token budget with a scratch pool, then give the KV
+        pool what is left of `gpu_memory_utilization` of the device after the peak it reached."""
+        num_tokens = self.config.max_num_batched_tokens
+        scratch_blocks = -(-num_tokens // self.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = torch.zeros(self.kv_shape(scratch_blocks), dtype=self.dtype, device=self.device)
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.model_config.num_layers)]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(scratch_blocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(num_tokens, dtype=torch.int32, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(num_tokens, device=dev), meta, caches)
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
+        del scratch, caches, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(dev).total_memory
+        budget = total * gpu_memory_utilization - peak
+        if budget < bytes_per_block:
+            raise ValueError(f"no room for a KV cache: the model peaks at {peak / 2**30:.1f} GiB of "
+                             f"{total / 2**30:.1f} GiB; raise gpu_memory_utilization ({gpu_memory_utilization})")
+        return int(budget // bytes_per_block)
+
+    def _load_model(self) -> LlamaForCausalLM:
+        torch.manual_seed(self.config.seed)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.model_config, self.max_model_len)
+        model = model.to_empty(device=self.device)
+        if self.model_config.tie_word_embeddings:  # to_empty gives each name its own storage
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary = model.rotary.__class__(self.model_config, self.max_model_len).to(self.device)
+        model.load_weights(iter_safetensors(self.config.model_path))
+        model.to(self.dtype)
+        model.rotary.float()  # RoPE tables stay float32, as in transformers
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
+            num = use_fp32_gemms_for_bf16(model)
+            logger.info("no native bf16 on this CPU: %d bf16 linear layers run as fp32 GEMMs on bf16 values", num)
+        return model.eval()
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
+        """Run the step; returns request id → (sampled token, logprobs) for requests that sample."""
+        self._swap(out)
+        if out.is_empty:
+            return {}
+        input_ids, positions, meta, logits_indices = self.prepare_batch(out)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(input_ids, meta):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        sampling = [s for s in out.scheduled if s.samples]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[logits_indices])
+        rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
+        result = self.sampler(logits, rows)
+        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
+
+    def prepare_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md."""
+        token_ids: list[int] = []
+        query_lens, seq_lens, starts, logits_indices = [], [], [], []
+        for s in out.scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            token_ids.extend(s.request.all_token_ids[start:end])
+            starts.append(start)
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            if s.samples:
+                logits_indices.append(len(token_ids) - 1)
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        tables = [s.block_ids + [-1] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+
+        qlens = torch.tensor(query_lens, dtype=torch.int32)
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        torch.cumsum(qlens, 0, out=qsl[1:])
+        owner = torch.repeat_interleave(torch.arange(len(query_lens)), qlens.long())  # [T] request of each token
+        positions = torch.arange(len(token_ids), dtype=torch.int64) - qsl[:-1].long()[owner] + torch.tensor(starts)[owner]
+        block_tables = torch.tensor(tables, dtype=torch.int32)
+        slots = block_tables[owner, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        upload = self._upload
+        meta = AttentionMetadata(
+            query_start_loc=upload(qsl),
+            seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=upload(block_tables),
+            slot_mapping=upload(slots.to(torch.int32)),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        ids = upload(torch.tensor(token_ids, dtype=torch.int64))
+        return ids, upload(positions), meta, upload(torch.tensor(logits_indices, dtype=torch.int64))
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the runner's device. On CUDA: staged in pinned memory and copied with
+        non_blocking, so the host goes on building the step while the copy runs (the caching host
+        allocator keeps the staging buffer until the copy is done). On the CPU: the tensor itself."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _swap(self, out: SchedulerOutput) -> None:
+        """Swap-outs first: a device block freed by a swap-out may be swapped into this step."""
+        if out.blocks_to_swap_out:
+            dev_ids, host_ids = _split_pairs(out.blocks_to_swap_out)
+            self.host_buffer[:, :, host_ids] = self.kv_buffer[:, :, dev_ids.to(self.device)].cpu()
+        if out.blocks_to_swap_in:
+            host_ids, dev_ids = _split_pairs(out.blocks_to_swap_in)
+            self.kv_buffer[:, :, dev_ids.to(self.device)] = self.host_buffer[:, :, host_ids].to(self.device)
+
+
+def _split_pairs(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    src, dst = zip(*pairs)
+    return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)

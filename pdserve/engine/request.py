@@ -1,0 +1,106 @@
+"""A request's state inside one engine (pure Python: no torch).
+
+Lengths, drawn once (vLLM's names):
+
+    |<------------- num_tokens = len(all_token_ids) ------------->|
+    |<--------- num_prompt_tokens --------->|<--- output_ids ---->|
+    |<----- num_computed_tokens ----->|<-- num_new_tokens -->|
+                                      (scheduled this step; their KV is written this step)
+
+A running request in decode has num_computed_tokens == num_tokens - 1: the last sampled token
+is fed back in the next step. Preemption by recompute resets num_computed_tokens to 0 and the
+whole sequence (prompt + outputs so far) is prefilled again.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks
+    RUNNING = "running"  # holds blocks in the device pool
+    SWAPPED = "swapped"  # preempted; its KV lives in host blocks
+    WAITING_FOR_KV = "waiting_for_kv"  # decode node: KV announced by a prefill node, no blocks yet
+    RECEIVING_KV = "receiving_kv"  # decode node: blocks allocated, copy in flight
+    TRANSFERRING = "transferring"  # prefill node: out of the scheduler, blocks pinned under a lease
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "abort"  # abort() or client gone
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower is served first when the scheduler runs by priority
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in this request's blocks
+    num_cached_tokens: int = 0  # tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+    # The last n prompt tokens are output of an earlier attempt (a re-dispatch continues a request
+    # elsewhere): sampling treats them as output, so seeded draws and penalties carry on unchanged.
+    num_prior_output_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # wall-clock events, for latency breakdowns
+    # Tie-break for equal arrival times: admission order is stable.
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if not 0 <= self.num_prior_output_tokens < len(self.prompt_token_ids):
+            raise ValueError(f"request {self.request_id}: num_prior_output_tokens must be in "
+                             f"[0, {len(self.prompt_token_ids)}), got {self.num_prior_output_tokens}")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids.extend(self.output_token_ids)
+        k = self.num_prior_output_tokens  # split once: sampling_view runs every step
+        self._sampling_prompt = self.prompt_token_ids[:-k] if k else self.prompt_token_ids
+        self._prior_output = self.prompt_token_ids[-k:] if k else []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def sampling_view(self) -> tuple[list[int], list[int]]:
+        """(prompt, output) as sampling sees them: prior attempts' tokens count as output."""
+        if not self._prior_output:
+            return self.prompt_token_ids, self.output_token_ids
+        return self._sampling_prompt, self._prior_output + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

@@ -1,0 +1,13 @@
+"""Attention and KV-cache kernels behind one contract, shared by the Triton and torch backends.
+
+    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, *,
+                    max_query_len=None, max_seq_len=None, out=None, backend=None) -> out
+
+`reference` holds the plain-torch implementation; `dispatch` checks inputs and picks a backend.
+This package never imports from engine/.
+"""
+
+from pdserve.kernels.dispatch import BACKENDS, paged_attention, resolve_backend, store_kv
+
+__all__ = ["BACKENDS", "paged_attention", "resolve_backend", "store_kv"]

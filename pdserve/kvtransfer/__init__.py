@@ -1,0 +1,1 @@
+"""pdserve.kvtransfer: the wire between router, prefill and decode nodes (messages, sockets, KV hand-off)."""

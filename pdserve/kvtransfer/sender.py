@@ -1,0 +1,274 @@
+"""Prefill side of the KV hand-off: announce a request's blocks, serve pulls, free on the ack.
+
+One DEALER socket per decode node, opened on the first `send` to it; the first message on it is
+our `Handshake` (the pool layout, and the shared-memory segment a same-host peer may map).
+A request handed to `send` is held under a lease from that moment:
+
+    send() ─KVReady─▶ HELD ─KVPull─▶ KVData sent (lease renewed) ─KVDone─▶ released
+                       │  LeaseRenew: deadline pushed back
+                       ├─ lease expires ──────────────────────────────▶ released + on_error
+                       ├─ abort() / close() ─────────────────────────▶ released
+                       └─ HandshakeAck(ok=False) from its decode node ─▶ released + on_error
+
+Ownership: the prefill node's block manager allocated the blocks; from `send` on, this class owns
+them and calls `release(request_id)` exactly once per request (the `LeaseTable` guarantees it),
+after which the node frees them (or keeps them as prefix cache). Same-host peers copy straight
+out of our pool and then ack with KVDone, so the blocks stay pinned until that ack too.
+Nothing here blocks: the node's loop calls `poll()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pdserve.kvtransfer import cuda_ipc
+from pdserve.kvtransfer.curve import CurveKeys
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.messages import (
+    Handshake,
+    HandshakeAck,
+    KVData,
+    KVDone,
+    KVLayout,
+    KVPull,
+    KVReady,
+    LeaseRenew,
+    Message,
+    MessageError,
+)
+from pdserve.kvtransfer.payload import dtype_name, gather_tokens, tensor_to_frame
+from pdserve.kvtransfer.shm import SharedKVPool, layout_shape
+from pdserve.kvtransfer.sockets import CONTROL_MAX_BYTES, drain, make_socket, send_msg
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    """A decode node we hand requests to, over one DEALER connection."""
+
+    node_id: str
+    addr: str
+    sock: zmq.Socket
+    acked: bool = False  # HandshakeAck(ok=True) arrived
+    same_host: bool = False  # it mapped our shared-memory pool
+    request_ids: set[str] = field(default_factory=set)
+
+
+class KVSender:
+    def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, release: Callable[[str], None],
+                 *, lease_s: float = 30.0, shm_pool: SharedKVPool | None = None, probe_token: str = "",
+                 clock: Callable[[], float] = time.monotonic, curve: CurveKeys | None = None):
+        if tuple(kv_buffer.shape) != layout_shape(layout) or dtype_name(kv_buffer.dtype) != layout.dtype:
+            raise ValueError(f"kv_buffer {kv_buffer.dtype}{tuple(kv_buffer.shape)} does not match {layout}")
+        if shm_pool is not None:
+            if shm_pool.tensor.data_ptr() != kv_buffer.data_ptr():
+                raise ValueError("kv_buffer must be shm_pool.tensor for the same-host path")
+            layout = dataclasses.replace(layout, shm_name=shm_pool.name, probe_token=shm_pool.probe_token)
+        elif probe_token:
+            layout = dataclasses.replace(layout, probe_token=probe_token)
+        if kv_buffer.is_cuda:  # the GPU same-host path: peers on this machine map the pool by handle
+            layout = dataclasses.replace(layout, device_uuid=cuda_ipc.device_uuid(kv_buffer.device),
+                                         cuda_ipc=cuda_ipc.export_pool(kv_buffer))
+        self.node_id = node_id
+        self.layout = layout
+        self.kv_buffer = kv_buffer
+        self.lease_s = lease_s  # what the node puts in KVReady.lease_s
+        self.on_error: Callable[[str, str], None] | None = None
+        self.num_pulls_served = 0
+        self.num_bytes_sent = 0
+        self._release_cb = release
+        self._curve = curve  # CURVE client keys for the connections to decode nodes
+        self._leases = LeaseTable(self._released, lease_s, clock)
+        self._requests: dict[str, tuple[_Peer, KVReady]] = {}
+        self._peers: dict[tuple[str, str], _Peer] = {}  # (decode node id, kv addr) → peer
+        self._poller = zmq.Poller()
+        # A fresh identity per sender instance: a restarted prefill node is a new peer to the decode
+        # node (new handshake), while a TCP reconnect of this one keeps its identity.
+        self._identity = f"{node_id}/{secrets.token_hex(4)}".encode()
+        self._fault: tuple[str, int] | None = None  # see inject_fault
+        self._num_pulls = 0
+
+    def inject_fault(self, spec: str) -> None:
+        """Fault injection for tests and chaos runs: "drop:N" answers every Nth pull with nothing
+        (the decode node times out), "corrupt:N" sends every Nth payload one byte short (the
+        decode node refuses it). Either way the decode node gives up and the router retries."""
+        kind, _, every = spec.partition(":")
+        if kind not in ("drop", "corrupt") or not every.isdigit() or int(every) < 1:
+            raise ValueError(f"bad fault spec {spec!r}: expected drop:N or corrupt:N")
+        self._fault = (kind, int(every))
+
+    # ---- the node's calls ---------------------------------------------------------------
+    def send(self, decode_node_id: str, decode_kv_addr: str, ready: KVReady) -> None:
+        """Hand a request's blocks to a decode node. From here on the blocks are ours until we call
+        release(request_id). Raises ValueError (taking no ownership) for a malformed `ready`."""
+        self._check_ready(ready)
+        try:
+            peer = self._peer(decode_node_id, decode_kv_addr)
+        except zmq.ZMQError as e:  # a bad address from the router: the hand-off fails, we still own the blocks
+            self._release_cb(ready.request_id)
+            self._report(ready.request_id, f"cannot connect to decode node {decode_node_id} at {decode_kv_addr!r}: {e}")
+            return
+        self._leases.hold(ready.request_id, ready.lease_s)
+        self._requests[ready.request_id] = (peer, ready)
+        peer.request_ids.add(ready.request_id)
+        if not self._send(peer, ready):
+            self._fail(ready.request_id, f"cannot send KVReady to decode node {decode_node_id}")
+
+    def poll(self, timeout_ms: int = 0) -> None:
+        """Handle every message the decode nodes sent, then expire overdue leases."""
+        if self._peers:
+            for sock, _ in self._poller.poll(timeout_ms):
+                self._drain(sock)
+        elif timeout_ms > 0:
+            time.sleep(timeout_ms / 1000)
+        for request_id in self._leases.expire():
+            self._report(request_id, "KV lease expired before the decode node took the blocks")
+
+    def abort(self, request_id: str) -> bool:
+        """Release a request now (router abort); False if it was not held."""
+        return self._leases.release(request_id)
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        return self._leases.held_ids
+
+    @property
+    def num_held(self) -> int:
+        return len(self._leases)
+
+    def lease_deadline(self, request_id: str) -> float | None:
+        return self._leases.deadline(request_id)
+
+    def is_same_host(self, decode_node_id: str) -> bool:
+        return any(p.same_host for p in self._peers.values() if p.node_id == decode_node_id)
+
+    def close(self) -> None:
+        """Release every held request and close the sockets."""
+        for request_id in self._leases.held_ids:
+            self._leases.release(request_id)
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer)
+
+    # ---- peers ----------------------------------------------------------------------------
+    def _check_ready(self, ready: KVReady) -> None:
+        if ready.request_id in self._requests:
+            raise ValueError(f"request {ready.request_id!r} is already handed off")
+        if ready.block_size != self.layout.block_size:
+            raise ValueError(f"KVReady block_size {ready.block_size} != pool block_size {self.layout.block_size}")
+        if ready.num_tokens <= 0 or ready.num_tokens > len(ready.block_ids) * ready.block_size:
+            raise ValueError(f"{len(ready.block_ids)} blocks cannot hold {ready.num_tokens} tokens")
+        if any(not 0 <= b < self.layout.num_blocks for b in ready.block_ids):
+            raise ValueError(f"block ids out of range [0, {self.layout.num_blocks})")
+
+    def _peer(self, decode_node_id: str, addr: str) -> _Peer:
+        peer = self._peers.get((decode_node_id, addr))
+        if peer is None:
+            sock = make_socket(zmq.DEALER, connect=addr, identity=self._identity, max_msg_bytes=CONTROL_MAX_BYTES,
+                               curve=self._curve)
+            peer = _Peer(decode_node_id, addr, sock)
+            self._peers[(decode_node_id, addr)] = peer
+            self._poller.register(sock, zmq.POLLIN)
+            self._send(peer, Handshake(self.node_id, self.layout))
+        return peer
+
+    def _drop_peer(self, peer: _Peer) -> None:
+        self._poller.unregister(peer.sock)
+        peer.sock.close(0)
+        self._peers.pop((peer.node_id, peer.addr), None)
+
+    def _send(self, peer: _Peer, msg: Message, *frames) -> bool:
+        try:
+            send_msg(peer.sock, msg, *frames)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("send %s to decode node %s failed: %s", msg.TYPE, peer.node_id, e)
+            return False
+
+    # ---- incoming -------------------------------------------------------------------------
+    def _drain(self, sock: zmq.Socket) -> None:
+        peer = next((p for p in self._peers.values() if p.sock is sock), None)
+        if peer is None:
+            return
+        for _, msg, _ in drain(sock):
+            if isinstance(msg, MessageError):
+                log.warning("dropped a malformed message from decode node %s: %s", peer.node_id, msg)
+            elif isinstance(msg, HandshakeAck):
+                self._on_ack(peer, msg)
+                if peer.sock.closed:
+                    return  # refused: the connection is gone
+            elif isinstance(msg, KVPull):
+                self._on_pull(peer, msg.request_id)
+            elif isinstance(msg, LeaseRenew):
+                if self._holds(peer, msg.request_id):
+                    self._leases.renew(msg.request_id)
+            elif isinstance(msg, KVDone):
+                self._on_done(peer, msg)
+            else:
+                log.warning("dropped an unexpected %s from decode node %s", msg.TYPE, peer.node_id)
+
+    def _on_ack(self, peer: _Peer, ack: HandshakeAck) -> None:
+        if ack.ok:
+            peer.acked, peer.same_host = True, ack.same_host
+            log.info("decode node %s accepted our KV (%s)", peer.node_id, "same host" if ack.same_host else "zmq")
+            return
+        error = f"decode node {peer.node_id} refused the KV hand-off: {ack.error}"
+        log.error(error)
+        self._drop_peer(peer)  # the next send() to it opens a fresh connection and handshake
+        for request_id in list(peer.request_ids):
+            self._fail(request_id, error)
+
+    def _on_pull(self, peer: _Peer, request_id: str) -> None:
+        if not self._holds(peer, request_id):
+            self._send(peer, KVData(request_id, ok=False,
+                                    error=f"prefill node {self.node_id} no longer holds the request "
+                                          "(lease expired or aborted)"))
+            return
+        self._leases.renew(request_id)
+        ready = self._requests[request_id][1]
+        payload = gather_tokens(self.kv_buffer, ready.block_ids, ready.num_tokens)
+        header = KVData(request_id, ok=True, dtype=self.layout.dtype, shape=list(payload.shape))
+        frame = tensor_to_frame(payload)
+        self._num_pulls += 1
+        if self._fault is not None and self._num_pulls % self._fault[1] == 0:
+            log.warning("injected fault: %s the KV of %s", self._fault[0], request_id)
+            if self._fault[0] == "drop":
+                return
+            frame = memoryview(frame).cast("B")[:-1]
+        if self._send(peer, header, frame):
+            self.num_pulls_served += 1
+            self.num_bytes_sent += payload.numel() * payload.element_size()
+
+    def _on_done(self, peer: _Peer, done: KVDone) -> None:
+        if not self._holds(peer, done.request_id):
+            return  # already released (expired, aborted): never twice
+        if not done.ok:
+            log.info("decode node %s gave up on %s: %s", peer.node_id, done.request_id, done.error)
+        self._leases.release(done.request_id)
+
+    def _holds(self, peer: _Peer, request_id: str) -> bool:
+        entry = self._requests.get(request_id)
+        return entry is not None and entry[0] is peer
+
+    # ---- release --------------------------------------------------------------------------
+    def _released(self, request_id: str) -> None:
+        """The LeaseTable's callback: runs exactly once per held request."""
+        peer, _ = self._requests.pop(request_id)
+        peer.request_ids.discard(request_id)
+        self._release_cb(request_id)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        if self._leases.release(request_id):
+            self._report(request_id, error)
+
+    def _report(self, request_id: str, error: str) -> None:
+        if self.on_error is not None:
+            self.on_error(request_id, error)

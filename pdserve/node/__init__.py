@@ -1,0 +1,1 @@
+"""What every serving node runs, whatever its role: the link to the router, the status and metrics server, the serve loop."""

@@ -1,0 +1,33 @@
+"""Wire messages built from a node's engine state, shared by the prefill and the decode node
+(plain reads of engine attributes: nothing here runs the model)."""
+
+from __future__ import annotations
+
+import os
+
+from pdserve.kvtransfer.messages import KVLayout, Register, Token
+from pdserve.node.router_link import host_id
+
+
+def token_event(request) -> Token:
+    """The request's newest output token, with its index in the output."""
+    logprobs = request.output_logprobs[-1] if request.output_logprobs else None
+    return Token(request_id=request.request_id, index=request.num_output_tokens - 1,
+                 token_id=request.output_token_ids[-1], logprobs=logprobs, finish_reason=request.finish_reason)
+
+
+def kv_layout(engine, served_model_name: str, **extra) -> KVLayout:
+    """What this node's KV pool holds, for the handshake."""
+    mc = engine.model_config
+    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
+    return KVLayout(model=served_model_name, dtype=dtype, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                    head_dim=mc.head_dim, block_size=engine.config.block_size,
+                    num_blocks=engine.block_manager.num_blocks, **extra)
+
+
+def register_message(node_id: str, role: str, engine, served_model_name: str, kv_addr: str = "",
+                     metrics_url: str = "") -> Register:
+    return Register(node_id=node_id, role=role, model=served_model_name, kv_addr=kv_addr, metrics_url=metrics_url,
+                    num_total_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
+                    max_model_len=engine.config.max_model_len, host_id=host_id(), pid=os.getpid(),
+                    max_num_seqs=engine.config.max_num_seqs)

@@ -1,0 +1,245 @@
+"""A node's link to the router: one DEALER socket (identity = node id), registration,
+heartbeats, and a non-blocking receive for the node's loop. Also the small HTTP endpoint every
+node serves (status, metrics, health) and the address a node advertises for its endpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import zmq
+
+from pdserve.kvtransfer.messages import (
+    MAX_MESSAGE_BYTES,
+    Deregister,
+    Heartbeat,
+    Message,
+    MessageError,
+    Register,
+    Reregister,
+    decode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RouterLink:
+    """Heartbeats go out from a thread on their own socket, so a long forward pass (a big prefill
+    chunk on a slow CPU) never makes the router think the node died. The loop only refreshes the
+    load figures the thread sends (`maybe_heartbeat`); everything else uses the main socket from
+    the node's loop alone (ZMQ sockets are not thread-safe).
+
+    Sends never block: while the router is down, ZMQ queues up to SEND_HWM messages for it and
+    drops the rest (tokens of requests a restarted router will not know anyway). A `Reregister`
+    from the router is answered here, in `poll`: the node registers again."""
+
+    SEND_HWM = 100_000
+
+    def __init__(self, router_addr: str, register: Register, *, heartbeat_s: float = 1.0,
+                 ctx: zmq.Context | None = None, curve=None) -> None:
+        self.register_msg = register
+        self.heartbeat_s = heartbeat_s
+        self.router_addr = router_addr
+        self.ctx = ctx or zmq.Context.instance()
+        self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate to a CURVE router
+        self.num_dropped = 0  # messages dropped because the router was unreachable
+        self.num_reregistered = 0
+        self.sock = self._socket(register.node_id)
+        self._last_refresh = 0.0
+        self._latest: Heartbeat | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registered = False
+
+    def _socket(self, identity: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, self.SEND_HWM)
+        if self.curve is not None:
+            from pdserve.kvtransfer.curve import apply_client
+
+            apply_client(sock, self.curve)
+        sock.connect(self.router_addr)
+        return sock
+
+    def send(self, msg: Message) -> bool:
+        """Queue `msg` for the router; False (and the message dropped) when its queue is full."""
+        try:
+            self.sock.send(msg.encode(), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            self.num_dropped += 1
+            if self.num_dropped in (1, 10, 100) or self.num_dropped % 1000 == 0:
+                logger.warning("router unreachable: dropped %d messages (latest: %s)", self.num_dropped, msg.TYPE)
+            return False
+
+    def register(self) -> None:
+        self.send(self.register_msg)
+        self.registered = True
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
+            self._thread.start()
+
+    def deregister(self) -> None:
+        if self.registered:
+            self.send(Deregister(node_id=self.register_msg.node_id))
+            self.registered = False
+
+    def maybe_heartbeat(self, make: Callable[[], Heartbeat]) -> None:
+        """Refresh the load figures the heartbeat thread sends (at most twice per period)."""
+        now = time.monotonic()
+        if now - self._last_refresh >= self.heartbeat_s / 2:
+            self._last_refresh = now
+            self._latest = make()
+
+    def _beat(self) -> None:
+        # The router keys heartbeats by node_id, so this socket needs an identity of its own.
+        sock = self._socket(f"{self.register_msg.node_id}#heartbeat")
+        try:
+            while not self._stop.wait(self.heartbeat_s):
+                latest = self._latest
+                if latest is not None and self.registered:
+                    sock.send(latest.encode())
+        finally:
+            sock.close(linger=0)
+
+    def poll(self, timeout_ms: int = 0) -> list[Message]:
+        """Messages from the router for the node (a Reregister is handled here); garbage is
+        logged and dropped."""
+        out: list[Message] = []
+        if not self.sock.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            try:
+                msg = decode(frame)
+            except MessageError as e:
+                logger.warning("dropped a malformed message from the router: %s", e)
+                continue
+            if isinstance(msg, Reregister):
+                if self.registered:  # not while draining: the node has left
+                    logger.info("the router does not know us (%s): registering again", msg.reason)
+                    self.num_reregistered += 1
+                    self.send(self.register_msg)
+            else:
+                out.append(msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.heartbeat_s)
+        self.sock.close(linger=0)
+
+
+class StatusServer:
+    """A node's small HTTP endpoint, in a daemon thread:
+
+        GET /status   JSON from `status_fn()` (`{"ready": false}` until the node sets one)
+        GET /metrics  Prometheus text from `metrics_fn()` (404 until the node sets one)
+        GET /health   200 once `ready` is set (model loaded and warmed up), else 503
+
+    It starts before the model loads, so a container health check sees "not ready" rather than a
+    refused connection; the node fills in `status_fn`/`metrics_fn` and sets `ready` later.
+    `url` names `advertise_host` (default: the bind host) so peers on other machines can reach it."""
+
+    def __init__(self, host: str, port: int, status: Callable[[], dict] | None = None, *,
+                 metrics: Callable[[], bytes] | None = None, advertise_host: str | None = None,
+                 ready: bool = True) -> None:
+        self.status_fn = status or (lambda: {"ready": False})
+        self.metrics_fn = metrics
+        self.ready = ready
+        self.server = ThreadingHTTPServer((host, port), self._handler_class())
+        self.url = f"http://{advertise_host or host}:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="status-http")
+        self.thread.start()
+
+    def respond(self, path: str) -> tuple[int, str, bytes]:
+        """(status code, content type, body) for a GET of `path`."""
+        if path.startswith("/status"):
+            return 200, "application/json", json.dumps(self.status_fn()).encode()
+        if path.startswith("/metrics") and self.metrics_fn is not None:
+            from pdserve.node.metrics import CONTENT_TYPE
+
+            return 200, CONTENT_TYPE, self.metrics_fn()
+        if path.startswith("/health"):
+            return (200, "application/json", b'{"status": "ok"}') if self.ready else \
+                (503, "application/json", b'{"status": "loading"}')
+        return 404, "application/json", b'{"error": "not found"}'
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                code, content_type, body = server.respond(self.path)
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        return Handler
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def advertise_host(bind_host: str, advertise: str | None = None) -> str:
+    """The host peers should use to reach this node's endpoints: `advertise` when given; else the
+    bind host, except that a wildcard bind (0.0.0.0, e.g. in a container) advertises this
+    machine's own address, so each replica of a scaled service registers itself, not the
+    service name."""
+    if advertise:
+        return advertise
+    if bind_host in ("0.0.0.0", "", "*", "::"):
+        return socket.gethostbyname(socket.gethostname())
+    return bind_host
+
+
+def advertised_addr(bound_addr: str, host: str) -> str:
+    """`tcp://0.0.0.0:9200` bound → `tcp://HOST:9200` for peers."""
+    port = bound_addr.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
+
+
+def host_id() -> str:
+    """A hint for same-host probing (never trusted alone: the probe decides)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+def serve_node(node, link: RouterLink, *, stop_flag: list[bool], drain_timeout_s: float = 20.0) -> None:
+    """A node's life: register, loop until asked to stop, then drain: heartbeats say "not ready"
+    so the router sends nothing new, the node finishes what it holds (for at most
+    `drain_timeout_s`), then deregisters (the router re-dispatches anything left) and returns.
+    `stop_flag[0]` is set by the caller's SIGTERM/SIGINT handler (sockets are only touched from
+    this loop)."""
+    link.register()
+    drain_deadline = None
+    while True:
+        node.run_once()
+        if stop_flag[0]:
+            if drain_deadline is None:
+                node.draining = True
+                drain_deadline = time.monotonic() + drain_timeout_s
+                logger.info("%s draining", link.register_msg.node_id)
+            if node.is_idle() or time.monotonic() > drain_deadline:
+                link.deregister()
+                return

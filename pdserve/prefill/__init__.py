@@ -1,0 +1,1 @@
+"""pdserve.prefill: built in a later issue (see the README)."""

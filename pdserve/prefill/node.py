@@ -1,0 +1,192 @@
+"""The prefill node: admit prompts, prefill them in chunked batches, sample the first token,
+send it to the router at once, then hand the KV to the decode node the router chose.
+
+A request's states here:
+
+    PrefillRequest ─▶ WAITING ─▶ RUNNING (chunks) ─▶ first token sampled ─▶ FirstToken → router
+        ├─ the first token ends it (EOS, max_tokens=1) ─▶ finished; blocks released by the scheduler
+        ├─ colocated (no decode node named) ─▶ keeps RUNNING here; tokens stream as TokenBatch
+        └─ TRANSFERRING: detached from the scheduler, blocks pinned under a lease, KVReady → decode
+              └─ KVDone / lease expiry / Abort ─▶ `_release` frees the blocks exactly once
+                 (they stay in the prefix cache until evicted)
+
+Ownership: the scheduler owns a request's blocks until `detach`; from then on the KVSender's
+lease table owns them and calls `_release` once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.messages import (
+    Abort,
+    Error,
+    FirstToken,
+    Heartbeat,
+    KVReady,
+    Message,
+    PrefillRequest,
+    Token,
+    TokenBatch,
+)
+from pdserve.node.messages import token_event
+from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
+from pdserve.node.router_link import RouterLink
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillNode:
+    def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill", sender=None,
+                 max_queue_len: int = 1024, step_delay_s: float = 0.0,
+                 metrics: NodeMetrics | None = None) -> None:
+        self.engine = engine
+        self.link = link
+        self.role = role  # "prefill", or "both" for the colocated comparison mode
+        self.sender = sender  # KVSender (None when colocated only)
+        self.node_id = link.register_msg.node_id
+        self.handoffs: dict[str, PrefillRequest] = {}  # request id → where its KV goes
+        self.colocated: set[str] = set()
+        self.timings: deque[dict] = deque(maxlen=1024)  # recent per-request timestamps (status endpoint)
+        self.draining = False
+        self.step_delay_s = step_delay_s  # test knob: a slower device (sleeps before each engine step)
+        self.max_queue_len = max_queue_len  # requests waiting to be scheduled; past it, new ones are refused
+        self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, role)
+        self.metrics.watch(self.metrics_snapshot)
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run_once(self) -> None:
+        busy = self.engine.has_unfinished()
+        for msg in self.link.poll(0 if busy else 5):
+            self.handle(msg)
+        if self.sender is not None:
+            self.sender.poll(0)
+        if self.engine.has_unfinished():
+            self._step()
+        self.link.maybe_heartbeat(self.heartbeat)
+
+    def is_idle(self) -> bool:
+        return not self.engine.has_unfinished() and not (self.sender and self.sender.num_held)
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, PrefillRequest):
+            self._admit(msg)
+        elif isinstance(msg, Abort):
+            self.abort(msg.request_id)
+        else:
+            logger.warning("prefill node: unexpected %s from the router", msg.TYPE)
+
+    def _admit(self, msg: PrefillRequest) -> None:
+        if len(self.engine.scheduler.waiting) >= self.max_queue_len:  # the router retries it elsewhere
+            self.link.send(Error(request_id=msg.request_id, node_id=self.node_id, retryable=True,
+                                 message=f"prefill queue full ({self.max_queue_len} waiting)"))
+            return
+        try:
+            params = SamplingParams.from_dict(msg.sampling)
+            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id, priority=msg.priority,
+                                    num_prior_output_tokens=msg.num_prior_output_tokens)
+        except ValueError as e:
+            self.link.send(Error(request_id=msg.request_id, node_id=self.node_id, message=str(e)))
+            return
+        self.handoffs[msg.request_id] = msg
+        request = self.engine.scheduler.requests[msg.request_id]
+        request.timings.update(received=time.time(), router_arrival=msg.arrival_time)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.handoffs.pop(request_id, None)
+        self.colocated.discard(request_id)
+        if self.sender is not None:
+            self.sender.abort(request_id)
+
+    # ---- one engine step --------------------------------------------------------------------
+    def _step(self) -> None:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        stepped = self.engine.step_requests()
+        tokens: list[Token] = []
+        for request in stepped:
+            rid = request.request_id
+            if rid in self.colocated:
+                tokens.append(token_event(request))
+                if request.is_finished:
+                    self.colocated.discard(rid)
+                continue
+            self._first_token(request)
+        if tokens:
+            self.link.send(TokenBatch(node_id=self.node_id, tokens=tokens))
+
+    def _first_token(self, request: Request) -> None:
+        rid = request.request_id
+        msg = self.handoffs.pop(rid)
+        now = time.time()
+        t = request.timings
+        t["first_token"] = now
+        logprobs = request.output_logprobs[-1] if request.output_logprobs else None
+        self.link.send(FirstToken(
+            request_id=rid, token_id=request.output_token_ids[-1], logprobs=logprobs,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            queued_s=t.get("scheduled", now) - t.get("received", now), prefill_s=now - t.get("scheduled", now),
+        ))
+        self.timings.append({"request_id": rid, **t})
+        if request.is_finished:
+            return
+        if not msg.decode_node_id:  # colocated: decode here
+            self.colocated.add(rid)
+            return
+        block_ids = self.engine.scheduler.detach(request)
+        ready = KVReady(
+            request_id=rid, prompt_token_ids=request.prompt_token_ids, first_token=request.output_token_ids[-1],
+            first_logprobs=logprobs, sampling=request.params.to_dict(), num_tokens=request.num_prompt_tokens,
+            block_ids=list(block_ids), block_size=self.engine.config.block_size, lease_s=self.sender.lease_s,
+            priority=request.priority, num_prior_output_tokens=request.num_prior_output_tokens,
+        )
+        self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
+        t["kv_ready_sent"] = time.time()
+
+    def _release(self, request_id: str) -> None:
+        """The lease table's callback: the decode node has the KV (or never will)."""
+        self.engine.block_manager.free(request_id)
+        for t in reversed(self.timings):
+            if t["request_id"] == request_id:
+                t["kv_released"] = time.time()
+                break
+
+    def _handoff_failed(self, request_id: str, message: str) -> None:
+        self.link.send(Error(request_id=request_id, node_id=self.node_id, message=message, retryable=True))
+
+    # ---- reporting --------------------------------------------------------------------------
+    def heartbeat(self) -> Heartbeat:
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        outstanding = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting + sched.running)
+        return Heartbeat(
+            node_id=self.node_id, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_outstanding_tokens=outstanding, ready=not self.draining,
+            request_ids=list(sched.requests) + (list(self.sender.held_request_ids) if self.sender else []),
+        )
+
+    def status(self) -> dict:
+        bm = self.engine.block_manager
+        return {
+            "node_id": self.node_id, "role": self.role, "num_total_blocks": bm.num_blocks,
+            "num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
+            "num_running": len(self.engine.scheduler.running), "num_waiting": len(self.engine.scheduler.waiting),
+            "num_leases": self.sender.num_held if self.sender else 0,
+            "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
+            "num_preemptions": self.engine.scheduler.num_preemptions, "timings": list(self.timings),
+            "pid": os.getpid(),
+        }
+
+    def metrics_snapshot(self) -> NodeSnapshot:
+        """Called from the status thread at scrape time: reads counters, changes nothing."""
+        sender = self.sender
+        return engine_snapshot(self.engine, num_bytes_sent=sender.num_bytes_sent if sender else 0,
+                               num_leases=sender.num_held if sender else 0)

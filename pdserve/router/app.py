@@ -1,0 +1,248 @@
+"""The OpenAI-compatible HTTP API (aiohttp) in front of a `Router`.
+
+    POST /v1/completions        text completion, SSE when "stream": true
+    POST /v1/chat/completions   chat through the tokenizer's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while a ready prefill-capable and decode-capable node are registered
+    GET  /nodes                 the live nodes, their load and status URLs
+    GET  /metrics               Prometheus text format (router/metrics.py)
+    GET  /openapi.json          the OpenAPI description of all of these (router/openapi.py)
+
+With an API key, every request but /health, /metrics and /openapi.json must carry
+`Authorization: Bearer <key>`, else it gets a 401. Every error is an OpenAI error body, whatever
+raised it (the parser, the router, aiohttp itself: unknown path, wrong method, a body over
+MAX_BODY_BYTES).
+
+A generation request is validated (4xx before any node sees it), submitted, then its deltas are
+written as they come. A streamed response is only started once the first delta is in, so an
+error before the first token still gets a real HTTP status; after that errors are an SSE
+`data: {"error": ...}` event. Whatever way the handler ends (finished, client gone, cancelled),
+`router.release` runs, and it sends Abort to the nodes if the request had not ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
+
+from pdserve.router.openai_protocol import ProtocolError, error_body
+from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
+from pdserve.router.openapi import openapi_spec
+from pdserve.router.registry import node_summary
+from pdserve.router.request_state import Delta, RouterError, RouterRequest
+from pdserve.router.router import Router
+
+logger = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+CREATED_KEY = web.AppKey("created", int)  # for /v1/models
+API_KEY_KEY = web.AppKey("api_key", bytes)
+MAX_BODY_BYTES = 64 << 20  # token-id prompts are verbose JSON
+DISCONNECT_POLL_S = 0.5  # how often a handler waiting for tokens checks that its client is still there
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key needed (probes, scrapers, docs)
+
+
+def create_app(router: Router, *, api_key: str | None = None) -> web.Application:
+    """The HTTP app; the caller owns `router` (start it before serving, close it after). With
+    `api_key`, requests outside OPEN_PATHS must send it as a bearer token."""
+    middlewares = [_openai_errors] + ([_check_api_key] if api_key else [])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+    app[ROUTER_KEY] = router
+    app[CREATED_KEY] = int(time.time())
+    if api_key:
+        app[API_KEY_KEY] = api_key.encode()
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/nodes", _nodes)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    return app
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI error body: {"error": {message, type, param, code}}."""
+    metrics = request.app[ROUTER_KEY].metrics  # errors from a request's own end are counted by the Router
+    try:
+        return await handler(request)
+    except ProtocolError as e:
+        metrics.observe_error(e.status)
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        metrics.observe_error(e.status)
+        headers = {k: v for k, v in e.headers.items() if k not in ("Content-Type", "Content-Length")}  # Allow, ...
+        return web.json_response(error_body(e.reason, e.status), status=e.status, headers=headers)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        logger.exception("error serving %s %s", request.method, request.path)
+        metrics.observe_error(500)
+        return web.json_response(error_body("internal error", 500), status=500)
+
+
+@web.middleware
+async def _check_api_key(request: web.Request, handler) -> web.StreamResponse:
+    """401 unless the request is for an open path or carries the key (compared in constant time)."""
+    resource = request.match_info.route.resource  # None when no route matched: closed, like the rest
+    if resource is not None and resource.canonical in OPEN_PATHS:
+        return await handler(request)
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ProtocolError("missing API key: send it as the header `Authorization: Bearer <key>`",
+                            status=401, headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(token.strip().encode("utf-8", "surrogatepass"), request.app[API_KEY_KEY]):
+        raise ProtocolError("Incorrect API key provided", status=401, headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_spec(with_api_key=API_KEY_KEY in request.app))
+
+
+async def _models(request: web.Request) -> web.Response:
+    name = request.app[ROUTER_KEY].served_model_name
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": request.app[CREATED_KEY], "owned_by": "pdserve", "root": name}]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[ROUTER_KEY].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+
+async def _health(request: web.Request) -> web.Response:
+    if request.app[ROUTER_KEY].is_healthy():
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "no ready prefill and decode nodes"}, status=503)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    parsed = router.parse(kind, await _read_json(request))
+    request_id = new_request_id(kind)
+    fmt_cls = ChatFormat if kind == "chat" else CompletionFormat
+    fmt = fmt_cls(request_id, router.served_model_name, include_usage=parsed.stream and parsed.include_usage,
+                  top_logprobs=parsed.top_logprobs, return_token_ids=parsed.return_token_ids)
+    req = await router.submit(request_id, parsed)
+    try:
+        if parsed.stream:
+            return await _stream(request, req, fmt)
+        return await _collect(request, req, fmt)
+    finally:  # on finish a no-op; on disconnect or cancellation it aborts the request on the nodes
+        await router.release(req)
+
+
+async def _nodes(request: web.Request) -> web.Response:
+    """The live nodes, their load and status URLs (like SGLang router's worker list)."""
+    router: Router = request.app[ROUTER_KEY]
+    return web.json_response({"nodes": [node_summary(n) for n in router.registry.nodes.values()]})
+
+
+async def _read_json(request: web.Request):
+    """The body as JSON: 413 past MAX_BODY_BYTES; 400 for a body that cannot be read (bad gzip), for
+    anything json.loads refuses, for NaN and Infinity (which Python's json accepts, JSON does not),
+    and for nesting deeper than Python's stack."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ProtocolError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413) from None
+    except web.RequestPayloadError as e:  # a body that does not match its Content-Encoding, ...
+        detail = getattr(e.__cause__, "message", None) or str(e.__cause__ or e)
+        raise ProtocolError(f"cannot read the request body: {detail}"[:300]) from None
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"invalid JSON body: {str(e)[:200]}") from None
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise ValueError(f"{text[:50]} is out of range")
+    return value
+
+
+async def _next_delta(request: web.Request, req: RouterRequest) -> Delta:
+    """The request's next delta; raises ConnectionResetError once the client is gone (checked
+    while waiting, so a stalled request is aborted without waiting for its next token)."""
+    while True:
+        try:
+            return await asyncio.wait_for(req.deltas.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("client disconnected") from None
+
+
+def _error_response(error: RouterError) -> web.Response:
+    return web.json_response(error_body(error.message, error.status, type=error.type), status=error.status)
+
+
+def _usage(req: RouterRequest) -> dict:
+    return usage(len(req.prompt_token_ids), len(req.output_token_ids))
+
+
+async def _collect(request: web.Request, req: RouterRequest, fmt) -> web.Response:
+    texts, logprobs = [], []
+    while True:
+        delta = await _next_delta(request, req)
+        if delta.error is not None:
+            return _error_response(delta.error)
+        texts.append(delta.text)
+        logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            body = fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req))
+            if fmt.return_token_ids:
+                body["choices"][0]["token_ids"] = list(req.output_token_ids)
+            return web.json_response(body)
+
+
+async def _stream(request: web.Request, req: RouterRequest, fmt) -> web.StreamResponse:
+    delta = await _next_delta(request, req)
+    if delta.error is not None:  # nothing sent yet: a real status
+        return _error_response(delta.error)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    first = True
+    while True:
+        if delta.error is not None:
+            await _send_event(resp, error_body(delta.error.message, delta.error.status, type=delta.error.type))
+            break
+        for chunk in fmt.chunks(delta, first):
+            await _send_event(resp, chunk)
+        first = False
+        if delta.finish_reason is not None:
+            if fmt.include_usage:
+                await _send_event(resp, fmt.usage_chunk(_usage(req)))
+            break
+        delta = await _next_delta(request, req)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _send_event(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")

@@ -1,0 +1,127 @@
+"""The router's Prometheus metrics, served at GET /metrics.
+
+Names follow vLLM's where vLLM has the same metric (`vllm:x` → `pdserve_x`). Everything lives in
+one `CollectorRegistry` per `RouterMetrics` (never prometheus_client's global one), so several
+routers in one test process do not collide.
+
+When each is recorded, and why there:
+
+    first token delivered    TTFT and its split by stage, prompt tokens   (once per request)
+    request ended            e2e latency, TPOT, ITL, generation tokens, success by finish reason
+    error returned           errors by HTTP status (a 4xx/5xx response or an SSE error event)
+    request re-dispatched    retries (a node died, a KV transfer failed)
+    scrape                   requests in flight, live nodes per role      (read from the router)
+
+ITL is observed from `RequestTiming.token_times` when the request ends, not per token: the
+histogram ends up the same and the per-token path stays free of metric calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from pdserve.router.request_state import RouterRequest
+
+# vLLM's buckets, with a few lower ones added: CPU nodes on tiny models answer in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_STAGES = ("router_queue", "prefill_queue", "prefill", "first_token_delivery")
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.request_success = Counter("pdserve_request_success", "Requests ended, by finish reason "
+                                       "(stop, length, abort)", ["finished_reason"], registry=r)
+        self.request_errors = Counter("pdserve_request_errors", "Error responses and SSE error events the "
+                                      "router sent, by HTTP status", ["code"], registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival at the router to the first "
+                              "token delivered", registry=r, buckets=TTFT_BUCKETS)
+        self.ttft_stage = Histogram("pdserve_ttft_stage_seconds", "TTFT split by stage: router_queue, "
+                                    "prefill_queue, prefill, first_token_delivery", ["stage"], registry=r,
+                                    buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Per request: (last token - first "
+                              "token) / (output tokens - 1)", registry=r, buckets=TOKEN_BUCKETS)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens "
+                             "delivered in order", registry=r, buckets=TOKEN_BUCKETS)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival at the router to the end of the "
+                             "request", registry=r, buckets=E2E_BUCKETS)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests prefilled", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens delivered to clients",
+                                         registry=r)
+        self.retries = Counter("pdserve_request_retries", "Requests re-dispatched after a node died or a KV "
+                               "transfer failed", registry=r)
+
+    def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        """Scrape-time gauges: requests in flight, and (role, ready) of every live node."""
+        self.registry.register(_RouterStateCollector(num_running, node_roles))
+
+    # ---- events -------------------------------------------------------------------------------
+    def observe_first_token(self, req: RouterRequest) -> None:
+        """Index 0 was delivered: TTFT and its stages. Stages the nodes did not report count as 0."""
+        t = req.timing
+        ttft = t.first_token - t.arrival
+        router_queue = max(0.0, (t.dispatched or t.arrival) - t.arrival)
+        parts = {"router_queue": router_queue, "prefill_queue": max(0.0, t.prefill_queued_s),
+                 "prefill": max(0.0, t.prefill_s)}
+        parts["first_token_delivery"] = max(0.0, ttft - sum(parts.values()))
+        self.ttft.observe(ttft)
+        for stage, seconds in parts.items():
+            self.ttft_stage.labels(stage=stage).observe(seconds)
+        self.prompt_tokens.inc(len(req.prompt_token_ids))
+
+    def observe_end(self, req: RouterRequest, finished_reason: str | None) -> None:
+        """The request ended. `finished_reason` None means it failed (counted by `observe_error`):
+        its tokens still count, its latencies do not."""
+        t = req.timing
+        num_out = len(req.output_token_ids)
+        self.generation_tokens.inc(num_out)
+        for prev, cur in zip(t.token_times, t.token_times[1:]):
+            self.itl.observe(cur - prev)
+        if finished_reason is None:
+            return
+        self.request_success.labels(finished_reason=finished_reason).inc()
+        if t.finished is not None:
+            self.e2e.observe(t.finished - t.arrival)
+        if num_out >= 2:
+            self.tpot.observe((t.token_times[-1] - t.token_times[0]) / (num_out - 1))
+
+    def observe_retry(self) -> None:
+        self.retries.inc()
+
+    def observe_error(self, status: int) -> None:
+        self.request_errors.labels(code=str(status)).inc()
+
+
+class _RouterStateCollector:
+    """Gauges read from the router at scrape time (a prometheus_client custom collector)."""
+
+    def __init__(self, num_running: Callable[[], int],
+                 node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+        self._num_running = num_running
+        self._node_roles = node_roles
+
+    def collect(self):
+        running = GaugeMetricFamily("pdserve_num_requests_running", "Requests in flight at the router "
+                                    "(dispatched, not ended)")
+        running.add_metric([], self._num_running())
+        yield running
+        live, ready = Tally(), Tally()
+        for role, is_ready in self._node_roles():
+            live[role] += 1
+            ready[role] += is_ready
+        for name, doc, tally in (("pdserve_nodes", "Live (registered) nodes per role", live),
+                                 ("pdserve_nodes_ready", "Live nodes per role taking requests", ready)):
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            for role in ("prefill", "decode", "both"):
+                family.add_metric([role], tally[role])
+            yield family

@@ -1,0 +1,226 @@
+"""Live nodes and the routing policies that pick a (prefill, decode) pair for a request.
+
+A node is live from its `Register` until its `Deregister`, or until it misses heartbeats for
+`heartbeat_timeout_s`; it is eligible for new requests only while its last heartbeat says
+`ready`. A "both" node counts in the prefill pool and in the decode pool.
+
+Load signals, and why they are mixed the way they are:
+
+- prefill: outstanding prompt tokens. The router's own count (sent, first token not yet back) is
+  exact for the requests this router sent; the heartbeat's `num_outstanding_tokens` can only add
+  what other routers sent, so the larger of the two is used.
+- decode: free KV blocks. The heartbeat is the truth but up to a second old, so the blocks of
+  requests dispatched since that heartbeat are subtracted as an estimate (reset on each heartbeat).
+
+Queue limits (overload). A prefill node is saturated when `max_queue` of this router's requests
+wait for their first token on it; a decode node when it holds `max_queue` requests beyond its
+`max_num_seqs`. New requests only go to unsaturated nodes; when every ready node of a role is
+saturated, `route` raises `OverloadedError` (the client gets 429 + Retry-After). A re-dispatched
+request (its node died) ignores the limits: it is already streaming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdserve.kvtransfer.messages import Heartbeat, Register
+
+PREFILL_ROLES = ("prefill", "both")
+DECODE_ROLES = ("decode", "both")
+AFFINITY_PREFIX_LEN = 64  # prompt tokens hashed for prefix affinity
+DEFAULT_BLOCK_SIZE = 16  # for the block estimate when a node did not say
+DEFAULT_MAX_NUM_SEQS = 256  # a node's running batch, when it did not say
+DEFAULT_MAX_QUEUE = 256  # requests queued per node beyond what it runs
+
+
+@dataclass
+class NodeInfo:
+    register: Register
+    identity: bytes  # the ZMQ routing id its frames came from (node_id.encode() by convention)
+    last_seen: float  # monotonic time of the last Register or Heartbeat
+    heartbeat: Heartbeat | None = None
+    outstanding_prompt_tokens: dict[str, int] = field(default_factory=dict)  # request_id -> prompt len
+    blocks_since_heartbeat: int = 0  # estimated blocks of requests dispatched since the last heartbeat
+    request_ids: set[str] = field(default_factory=set)  # requests this node holds state for
+
+    @property
+    def node_id(self) -> str:
+        return self.register.node_id
+
+    @property
+    def role(self) -> str:
+        return self.register.role
+
+    @property
+    def ready(self) -> bool:
+        # Not ready until the first heartbeat says so: Register comes before the model is warm.
+        return self.heartbeat is not None and self.heartbeat.ready
+
+    @property
+    def prefill_load(self) -> int:
+        own = sum(self.outstanding_prompt_tokens.values())
+        return max(own, self.heartbeat.num_outstanding_tokens if self.heartbeat else 0)
+
+    @property
+    def free_blocks(self) -> int:
+        free = self.heartbeat.num_free_blocks if self.heartbeat else self.register.num_total_blocks
+        return free - self.blocks_since_heartbeat
+
+    def estimate_blocks(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / (self.register.block_size or DEFAULT_BLOCK_SIZE))
+
+    def is_saturated(self, role: str, max_queue: int) -> bool:
+        """Past its queue limit in `role` ("prefill" or "decode"; a "both" node is checked for both)."""
+        if role == "prefill":
+            return len(self.outstanding_prompt_tokens) >= max_queue
+        return len(self.request_ids) >= (self.register.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + max_queue
+
+
+def node_summary(node: NodeInfo) -> dict:
+    hb = node.heartbeat
+    return {
+        "node_id": node.node_id, "role": node.role, "ready": node.ready, "status_url": node.register.metrics_url,
+        "kv_addr": node.register.kv_addr, "num_total_blocks": node.register.num_total_blocks,
+        "num_free_blocks": hb.num_free_blocks if hb else None, "num_running": hb.num_running if hb else None,
+        "num_waiting": hb.num_waiting if hb else None, "prefill_load": node.prefill_load,
+        "seconds_since_heartbeat": round(time.monotonic() - node.last_seen, 3),
+    }
+
+
+@dataclass
+class Route:
+    """Where a request goes: `decode` is None when the prefill node also decodes it (colocated)."""
+
+    prefill: NodeInfo
+    decode: NodeInfo | None
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [self.prefill.node_id] + ([self.decode.node_id] if self.decode else [])
+
+
+class NoNodeError(LookupError):
+    """No ready node of a role: the request gets a 503."""
+
+
+class OverloadedError(LookupError):
+    """Every ready node of a role is past its queue limit: the request gets a 429."""
+
+
+class Registry:
+    def __init__(self, heartbeat_timeout_s: float = 5.0, *, prefix_affinity: bool = False,
+                 affinity_slack_tokens: int = 2048, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_queue = max_queue
+        self.prefix_affinity = prefix_affinity
+        self.affinity_slack_tokens = affinity_slack_tokens  # extra load a node may carry and still win by affinity
+        self.nodes: dict[str, NodeInfo] = {}
+
+    # ---- membership -------------------------------------------------------------------------
+    def register(self, msg: Register, identity: bytes, now: float | None = None) -> NodeInfo | None:
+        """Add or replace a node; returns the entry it replaced, if any."""
+        old = self.nodes.get(msg.node_id)
+        self.nodes[msg.node_id] = NodeInfo(msg, identity, _now(now))
+        return old
+
+    def heartbeat(self, msg: Heartbeat, now: float | None = None) -> bool:
+        """False when the node is unknown (never registered, or already dropped)."""
+        node = self.nodes.get(msg.node_id)
+        if node is None:
+            return False
+        node.heartbeat, node.last_seen, node.blocks_since_heartbeat = msg, _now(now), 0
+        return True
+
+    def remove(self, node_id: str) -> NodeInfo | None:
+        return self.nodes.pop(node_id, None)
+
+    def expire(self, now: float | None = None) -> list[NodeInfo]:
+        """Drop and return the nodes that missed heartbeats for longer than the timeout."""
+        deadline = _now(now) - self.heartbeat_timeout_s
+        dead = [n for n in self.nodes.values() if n.last_seen < deadline]
+        for node in dead:
+            del self.nodes[node.node_id]
+        return dead
+
+    def ready_nodes(self, roles: Sequence[str]) -> list[NodeInfo]:
+        return [n for n in self.nodes.values() if n.ready and n.role in roles]
+
+    def is_healthy(self) -> bool:
+        return bool(self.ready_nodes(PREFILL_ROLES)) and bool(self.ready_nodes(DECODE_ROLES))
+
+    def max_model_len(self) -> int | None:
+        """The smallest max_model_len any ready node declared (None when none did)."""
+        lens = [n.register.max_model_len for n in self.nodes.values() if n.ready and n.register.max_model_len > 0]
+        return min(lens) if lens else None
+
+    # ---- routing ------------------------------------------------------------------------------
+    def route(self, prompt_token_ids: Sequence[int], max_tokens: int, *, ignore_limits: bool = False) -> Route:
+        """Pick the nodes for a request; raises NoNodeError or OverloadedError naming the role.
+
+        A "both" node chosen for prefill decodes the request too: moving KV off a node that can
+        decode it itself only costs a transfer. Otherwise the decode node is the one with the most
+        free blocks (ties: fewest running, then node id, so the choice is deterministic)."""
+        prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits)
+        if prefill.role == "both":
+            return Route(prefill, None)
+        decoders = self._candidates(DECODE_ROLES, "decode", ignore_limits)
+        decode = min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
+        return Route(prefill, decode)
+
+    def pick_prefill(self, prompt_token_ids: Sequence[int], *, ignore_limits: bool = False) -> NodeInfo:
+        candidates = self._candidates(PREFILL_ROLES, "prefill", ignore_limits)
+        least = min(n.prefill_load for n in candidates)
+        if not self.prefix_affinity:
+            return min(candidates, key=lambda n: (n.prefill_load, n.node_id))
+        # Rendezvous hashing among the nodes within the slack: the same prefix keeps landing on the
+        # same node (its prefix cache), and only the prefixes of a node that leaves move elsewhere.
+        near = [n for n in candidates if n.prefill_load <= least + self.affinity_slack_tokens]
+        prefix = bytes(str(list(prompt_token_ids[:AFFINITY_PREFIX_LEN])), "ascii")
+        return max(near, key=lambda n: hashlib.blake2b(prefix + n.node_id.encode(), digest_size=8).digest())
+
+    def _candidates(self, roles: Sequence[str], role: str, ignore_limits: bool) -> list[NodeInfo]:
+        ready = self.ready_nodes(roles)
+        if not ready:
+            raise NoNodeError(role)
+        if ignore_limits:
+            return ready
+        # A "both" node prefills and decodes what it takes: both of its queues must have room.
+        checks = ("prefill", "decode") if role == "prefill" else ("decode",)
+        free = [n for n in ready if not any(n.is_saturated(c, self.max_queue)
+                                            for c in checks if n.role in (c, "both"))]
+        if not free:
+            raise OverloadedError(role)
+        return free
+
+    # ---- per-request accounting --------------------------------------------------------------
+    def add_request(self, route: Route, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        route.prefill.outstanding_prompt_tokens[request_id] = prompt_len
+        decode = route.decode or route.prefill
+        decode.blocks_since_heartbeat += decode.estimate_blocks(prompt_len + max_tokens)
+        for node in (route.prefill, decode):
+            node.request_ids.add(request_id)
+
+    def first_token(self, node_id: str, request_id: str) -> None:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.outstanding_prompt_tokens.pop(request_id, None)
+
+    def release_request(self, node_ids: Sequence[str], request_id: str) -> None:
+        for node_id in node_ids:
+            node = self.nodes.get(node_id)
+            if node is not None:
+                node.outstanding_prompt_tokens.pop(request_id, None)
+                node.request_ids.discard(request_id)
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now
+
+
+def _num_running(node: NodeInfo) -> int:
+    return node.heartbeat.num_running if node.heartbeat else 0
+

@@ -1,1 +1,0 @@
-"""prefill_node: built in a later issue (see the README)."""
