@@ -26,7 +26,7 @@ async def _one(session, url: str, prompt: list[int], max_tokens: int) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     start = time.perf_counter()
-    first, times, num_tokens = None, [], 0
+    first, arrivals, num_tokens = None, [], 0  # arrivals: (time, tokens) per chunk
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
@@ -37,10 +37,11 @@ async def _one(session, url: str, prompt: list[int], max_tokens: int) -> dict:
             if ids:
                 now = time.perf_counter()
                 first = first or now
-                times.append(now)
+                arrivals.append((now, len(ids)))
                 num_tokens += len(ids)
-    return {"ttft": first - start, "e2e": time.perf_counter() - start, "num_tokens": num_tokens,
-            "itl": [b - a for a, b in zip(times, times[1:])]}
+    # A chunk of k tokens is k inter-token gaps of a k-th of its delay (as `pdserve bench serve`).
+    itl = [(b - a) / k for (a, _), (b, k) in zip(arrivals, arrivals[1:]) for _ in range(k)]
+    return {"ttft": first - start, "e2e": time.perf_counter() - start, "num_tokens": num_tokens, "itl": itl}
 
 
 async def run_load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:

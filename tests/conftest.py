@@ -1,5 +1,11 @@
 """Shared factories: small plain-value builders for requests, block managers, schedulers and tiny
-random Hugging Face models saved to disk (never downloaded)."""
+random Hugging Face models saved to disk (never downloaded); and the slow tier's timeout.
+
+Timeouts (pytest-timeout, method "signal": pyproject.toml): every test has one. The default (60 s)
+suits the fast tier; a test marked `slow` gets SLOW_TIMEOUT_S unless it carries its own
+`@pytest.mark.timeout(...)`, and a `--timeout` on the command line (or PYTEST_TIMEOUT) applies to
+every test alike (`--timeout 0` turns them off, e.g. under a debugger).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,16 @@ from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 _ids = itertools.count()
+
+SLOW_TIMEOUT_S = 600  # a slow test that has no timeout marker of its own
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("timeout", None) is not None or os.environ.get("PYTEST_TIMEOUT"):
+        return  # an explicit timeout for this run wins over the tiers
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 def make_request(prompt_token_ids=None, *, num_tokens: int = 8, max_tokens: int = 16, priority: int = 0,

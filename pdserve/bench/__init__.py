@@ -7,7 +7,8 @@ One paragraph per module:
 - `arrivals.py` turns a request rate and a burstiness into arrival offsets (gamma-distributed gaps;
   burstiness 1 is a Poisson process, `inf` sends everything at once).
 - `client.py` sends one streaming request and measures it into a `RequestRecord`
-  (`request_record.py`): TTFT, the gaps between token chunks, end-to-end latency, output tokens.
+  (`request_record.py`): TTFT, the inter-token gaps (a chunk of k tokens gives k), end-to-end
+  latency, output tokens.
 - `runner.py` releases the requests at their arrival offsets under a concurrency cap, with warm-ups,
   a progress bar, and Ctrl-C keeping what finished.
 - `metrics.py` reduces the records to the summary (throughputs, mean/median/std/percentiles, goodput
@@ -15,4 +16,7 @@ One paragraph per module:
   sweep curves with matplotlib's Agg backend.
 - `hf_static.py` measures transformers' static batching into the same records, the floor that
   `benchmarks/compare.py` sets beside the disaggregated and colocated stacks.
+- `chaos.py` kills or freezes random nodes during a run (`--chaos-interval`) and reports every
+  request's fate; `stack.py` starts a local `pdserve serve` and waits until it is ready (the serving
+  benchmarks and the end-to-end tests use it); `json_out.py` writes strict JSON.
 """

@@ -22,6 +22,10 @@ import aiohttp
 
 from pdserve.bench.client import auth_headers
 
+# The run's session allows hours per request; the chaos probes must not wait that long on a node
+# that is frozen (SIGSTOP) or gone.
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
 
 @dataclass
 class ChaosConfig:
@@ -77,12 +81,12 @@ def _resume(pid: int) -> None:
 
 async def _pick(session, base_url: str, roles, rng: random.Random) -> tuple[str, int] | None:
     try:
-        async with session.get(base_url + "/nodes", headers=auth_headers()) as r:
+        async with session.get(base_url + "/nodes", headers=auth_headers(), timeout=PROBE_TIMEOUT) as r:
             nodes = [n for n in (await r.json())["nodes"] if n["ready"] and n["role"] in roles]
         if not nodes:
             return None
         node = rng.choice(nodes)
-        async with session.get(node["status_url"] + "/status") as r:
+        async with session.get(node["status_url"] + "/status", timeout=PROBE_TIMEOUT) as r:
             return node["node_id"], int((await r.json())["pid"])
     except (aiohttp.ClientError, KeyError, ValueError, asyncio.TimeoutError):
         return None
@@ -91,9 +95,9 @@ async def _pick(session, base_url: str, roles, rng: random.Random) -> tuple[str,
 async def router_retries(session: aiohttp.ClientSession, base_url: str) -> float:
     """The router's retry counter (0 when it has none, e.g. not a pdserve router)."""
     try:
-        async with session.get(base_url + "/metrics") as r:
+        async with session.get(base_url + "/metrics", timeout=PROBE_TIMEOUT) as r:
             text = await r.text()
-    except aiohttp.ClientError:
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         return 0.0
     return retries_in(text)
 

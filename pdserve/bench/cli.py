@@ -4,8 +4,8 @@
         --random-input-len 512 --random-output-len 128 --num-prompts 200 --request-rate 4 \\
         --max-concurrency 32 --goodput ttft:500 tpot:50 --save-json out.json --plot plots/
 
-The pieces live in `benchmarks/serve_bench/` (datasets, arrivals, client, runner, metrics, report,
-plots); this module parses flags and runs one benchmark per request rate (several with --sweep).
+The pieces live in `pdserve/bench/` (datasets, arrivals, client, runner, metrics, report, plots,
+chaos); this module parses flags and runs one benchmark per request rate (several with --sweep).
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for random, off for sharegpt")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--return-token-ids", action="store_true", help="ask for vLLM's token_ids in each chunk")
+    g.add_argument("--return-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for vLLM's token_ids in each chunk, so a chunk of k tokens counts as k ITL samples "
+                        "(default on; --no-return-token-ids for servers that refuse unknown fields: the final "
+                        "usage then gives the token count)")
     g.add_argument("--extra-body", type=json.loads, default={}, help="JSON object merged into each request")
     g.add_argument("--disable-tqdm", action="store_true")
     g = p.add_argument_group("chaos (nodes on this machine; something must restart them, e.g. pdserve serve)")

@@ -1,10 +1,15 @@
 """One streaming request to an OpenAI-compatible endpoint, measured into a `RequestRecord`.
 
-Timing follows vLLM's client: TTFT is the time to the first SSE chunk that carries output (text,
-or token ids under vLLM's `return_token_ids`); each later output chunk adds one inter-token gap.
-A chunk can hold several tokens, so the output length comes from the final usage chunk
-(`stream_options.include_usage`) when the server sends one, else from the token ids seen, else
-from the number of output chunks. Whatever goes wrong ends up in `record.error`, never raised.
+TTFT is the time to the first SSE chunk that carries output (text, or token ids under vLLM's
+`return_token_ids`). A chunk can carry several tokens (a node's step can emit them together, the
+detokenizer holds back an incomplete character, the network coalesces writes), so ITL counts tokens,
+not chunks: a later chunk holding k tokens arrived `gap` after the previous one and adds k samples of
+gap / k (as SGLang's bench_serving does). k is the chunk's `token_ids` when the server returns them
+(pdserve and vLLM do; the default asks for them). Without ids, the final usage chunk
+(`stream_options.include_usage`) gives the total, and the tokens beyond one per chunk are shared out
+over the gaps (`spread_tokens`). Either way the mean ITL is the decode time over the decoded tokens, the
+TPOT a client sees, not a multiple of it. The output length is usage's completion_tokens, else the ids
+seen, else the number of output chunks. Whatever goes wrong ends up in `record.error`, never raised.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ class EndpointConfig:
     model: str
     ignore_eos: bool = False
     temperature: float = 0.0
-    return_token_ids: bool = False  # vLLM's extension; off for servers that reject unknown fields
+    return_token_ids: bool = True  # vLLM's extension, exact tokens per chunk; off for servers that reject it
     extra_body: dict = field(default_factory=dict)  # merged into every request body
 
     @property
@@ -64,9 +69,8 @@ class _StreamState:
     """What the chunks of one stream have shown so far."""
 
     def __init__(self, start: float) -> None:
-        self.start, self.first, self.last = start, None, None
-        self.itl: list[float] = []
-        self.num_ids = self.num_chunks = 0
+        self.start, self.first = start, None
+        self.chunks: list[tuple[float, int]] = []  # (arrival, token ids in it) per output chunk
         self.usage: dict | None = None
         self.text: list[str] = []
 
@@ -81,24 +85,56 @@ class _StreamState:
             text = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
             ids = choice.get("token_ids") or []
             if text or ids:
-                self._on_output(now)
+                self._on_output(now, len(ids))
                 self.text.append(text)
-                self.num_ids += len(ids)
             elif choice.get("finish_reason") and self.first is None:
-                self.first = self.last = now  # finished without output (e.g. EOS first): TTFT is here
+                self.first = now  # finished without output (e.g. EOS first): TTFT is here
 
-    def _on_output(self, now: float) -> None:
+    def _on_output(self, now: float, num_ids: int) -> None:
         if self.first is None:
             self.first = now
-        else:
-            self.itl.append(now - self.last)
-        self.last = now
-        self.num_chunks += 1
+        self.chunks.append((now, num_ids))
+
+    @property
+    def num_ids(self) -> int:
+        return sum(k for _, k in self.chunks)
 
     def output_len(self) -> int:
         if self.usage and isinstance(self.usage.get("completion_tokens"), int):
             return self.usage["completion_tokens"]
-        return self.num_ids or self.num_chunks
+        return self.num_ids or len(self.chunks)
+
+    def itl(self) -> list[float]:
+        """One sample per token after the first chunk: a gap spread over the tokens it brought."""
+        times = [t for t, _ in self.chunks]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if self.num_ids:  # the server sent ids: a chunk without ids adds its gap to the next one's
+            counts = [k for _, k in self.chunks[1:]]
+        else:
+            counts = spread_tokens(gaps, self.output_len() - 1)
+        samples, carried = [], 0.0
+        for gap, k in zip(gaps, counts):
+            if k == 0:
+                carried += gap
+                continue
+            samples += [(carried + gap) / k] * k
+            carried = 0.0
+        return samples
+
+
+def spread_tokens(gaps: list[float], num_tokens: int) -> list[int]:
+    """Tokens per gap when only the total is known: at least one each, the rest shared out evenly,
+    and what does not divide evenly to the longest gaps (a chunk that took longer had more time to
+    gather tokens)."""
+    counts = [1] * len(gaps)
+    extra = num_tokens - len(gaps)
+    if extra <= 0 or not gaps:
+        return counts
+    base, rem = divmod(extra, len(gaps))
+    longest = sorted(range(len(gaps)), key=lambda i: -gaps[i])
+    for rank, i in enumerate(longest):
+        counts[i] += base + (rank < rem)
+    return counts
 
 
 async def _read_events(resp: aiohttp.ClientResponse):
@@ -128,6 +164,8 @@ async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig, samp
         async with session.post(cfg.api_url, json=build_body(cfg, sample), headers=auth_headers()) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                if resp.status == 400 and cfg.return_token_ids and "return_token_ids" in record.error:
+                    record.error += " (this server refuses return_token_ids: pass --no-return-token-ids)"
                 return record
             async for now, event in _read_events(resp):
                 state.on_event(event, now)
@@ -142,7 +180,7 @@ def _finish(record: RequestRecord, state: _StreamState, end: float) -> RequestRe
         record.error = "the stream ended without output"
         return record
     record.success = True
-    record.ttft_s, record.itl_s, record.e2el_s = state.first - state.start, state.itl, end - state.start
+    record.ttft_s, record.itl_s, record.e2el_s = state.first - state.start, state.itl(), end - state.start
     record.output_len = state.output_len()
     record.generated_text = "".join(state.text)
     if state.usage and isinstance(state.usage.get("prompt_tokens"), int):

@@ -2,8 +2,9 @@
 
 Only successful requests count toward tokens and latencies. Throughputs divide by the wall time of
 the timed run. TPOT is (E2E - TTFT) / (output tokens - 1) per request, over requests with more than
-one output token; ITL is every gap between output chunks of every request, pooled. Percentiles are
-numpy's (linear interpolation). Goodput is the number of successful requests that meet every SLO
+one output token; ITL is every inter-token gap of every request, pooled (a chunk of k tokens
+counts as k gaps of a k-th of its delay: client.py). Percentiles are numpy's (linear
+interpolation). Goodput is the number of successful requests that meet every SLO
 given (a single-token request has TPOT 0, so it meets any TPOT SLO), per second of the run.
 """
 

@@ -12,6 +12,9 @@ class RequestRecord:
 
         send ──ttft──▶ first token ─itl[0]─▶ chunk 2 ─itl[1]─▶ ... last chunk   [DONE]
         ◀──────────────────────────── e2el_s ──────────────────────────────────▶
+
+    A chunk that brings k tokens adds k samples of its gap / k to `itl_s` (client.py says how k is
+    known), so `itl_s` has one entry per output token after the first chunk.
     """
 
     request_id: int  # index into the dataset's requests
@@ -21,7 +24,7 @@ class RequestRecord:
     error: str = ""  # why it failed (HTTP status and body, stream error, exception)
     start_s: float = 0.0
     ttft_s: float = 0.0  # send → first chunk carrying output
-    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive output chunks
+    itl_s: list[float] = field(default_factory=list)  # per-token gaps after the first chunk
     e2el_s: float = 0.0  # send → end of stream
     output_len: int = 0  # output tokens: usage.completion_tokens, else token ids seen, else chunks
     generated_text: str = ""

@@ -35,7 +35,7 @@ class LoadConfig:
     seed: int = 0  # of the arrival times
     disable_tqdm: bool = False
     request_timeout_s: float | None = 6 * 3600.0
-    chaos: ChaosConfig | None = None  # kill or stall nodes during the run (serve_bench/chaos.py)
+    chaos: ChaosConfig | None = None  # kill or stall nodes during the run (chaos.py)
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:

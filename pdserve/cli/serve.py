@@ -5,11 +5,19 @@ SIGTERM (nodes first, so they drain).
 It also supervises them, as a container restart policy would: a process that dies is started
 again with the same arguments (a node re-registers, a router comes back on the same ports and
 the nodes re-register with it), unless it keeps dying (`MAX_RESTARTS` within `RESTART_WINDOW_S`),
-in which case the stack stops. `--no-restart` stops the stack at the first death instead."""
+in which case the stack stops. `--no-restart` stops the stack at the first death instead.
+
+Before it starts anything it checks what would otherwise fail later (cli/preflight.py): unknown
+flags, flags in --prefill-args/--decode-args/--router-args that the role's own parser refuses, and
+a busy --port. It reports ready only when /health answers 200 with the instance id it gave its own
+router (never because another server holds the port), and whichever way it ends (Ctrl-C, a crash
+loop, never becoming healthy) it stops every process and prints one last `stopped` line."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import shlex
 import signal
@@ -18,30 +26,51 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
+
+from pdserve.cli.main import add_engine_args, engine_argv, resolve_model_verbosely
+from pdserve.cli.preflight import check_port_free, check_role_args
+from pdserve.engine.loader import served_model_name
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve serve", description="router + prefill + decode nodes on this machine")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--num-prefill", type=int, default=1)
-    p.add_argument("--num-decode", type=int, default=1)
-    p.add_argument("--colocated", action="store_true", help="nodes that prefill and decode their own requests")
-    p.add_argument("--num-nodes", type=int, default=1, help="with --colocated: how many nodes")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per node (default: cores / nodes)")
-    p.add_argument("--prefill-args", default="", help="extra flags for prefill nodes, e.g. '--max-num-seqs 64'")
-    p.add_argument("--decode-args", default="", help="extra flags for decode nodes")
-    p.add_argument("--router-args", default="", help="extra flags for the router")
-    p.add_argument("--api-key", default=None, help="require this Bearer key on /v1/* (passed to the router)")
-    p.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
-                   help="CURVE-encrypt router/node and KV traffic with the keys in DIR (created if missing)")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
-    p.add_argument("--demo", action="store_true", help="once ready, ask the model one chat question and print it")
-    p.add_argument("--no-restart", action="store_true", help="stop the stack when a process dies instead of restarting it")
-    p.add_argument("--log-level", default="INFO")
+    # conflict_handler: serve's own --num-threads (per node) replaces the engine group's.
+    p = argparse.ArgumentParser(
+        prog="pdserve serve", usage="pdserve serve [options]", conflict_handler="resolve",
+        description="router + prefill + decode node processes on this machine, on free ports, supervised; "
+                    "Ctrl-C or SIGTERM stops them all",
+        epilog="Engine flags set here go to every node; --prefill-args/--decode-args add per-role flags "
+               "(any flag of `pdserve prefill`/`pdserve decode`), checked before anything starts.")
+    add_engine_args(p, "engine (the ones set are forwarded to every node)")
+    g = p.add_argument_group("stack")
+    g.add_argument("--host", default="127.0.0.1", help="address the router's HTTP API listens on (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port of the router's HTTP API (default: %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: the alias, the .gguf file's stem or the folder's name)")
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes (default: %(default)s)")
+    g.add_argument("--num-decode", type=int, default=1, help="decode nodes (default: %(default)s)")
+    g.add_argument("--colocated", action="store_true",
+                   help="nodes that prefill and decode their own requests, no KV transfer (default: off)")
+    g.add_argument("--num-nodes", type=int, default=1, help="with --colocated: how many nodes (default: %(default)s)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per node (default: cores / nodes)")
+    g.add_argument("--prefill-args", default="",
+                   help="extra flags for prefill (and colocated) nodes, e.g. '--max-num-seqs 64' (default: none)")
+    g.add_argument("--decode-args", default="", help="extra flags for decode nodes (default: none)")
+    g.add_argument("--router-args", default="",
+                   help="extra flags for the router, e.g. '--request-timeout 60' (default: none)")
+    g.add_argument("--api-key", default=None,
+                   help="require this Bearer key on /v1/* (passed to the router) (default: none, open)")
+    g.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                   help="CURVE-encrypt router/node and KV traffic with the keys in DIR, created if missing "
+                        "(default: plain TCP)")
+    g.add_argument("--ready-timeout", type=float, default=600.0,
+                   help="seconds to wait for the stack to become healthy (default: %(default)s)")
+    g.add_argument("--demo", action="store_true",
+                   help="once ready, ask the model one chat question and print it (default: off)")
+    g.add_argument("--no-restart", action="store_true",
+                   help="stop the stack when a process dies instead of restarting it (default: off)")
+    g.add_argument("--log-level", default="INFO",
+                   help="DEBUG, INFO, WARNING or ERROR, for this command and every process (default: %(default)s)")
     return p
 
 
@@ -55,23 +84,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[str, list[str]]]:
+def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
+         instance_id: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process to start, router first."""
     py = [sys.executable, "-m"]
     control = f"tcp://127.0.0.1:{free_port()}"
-    common = ["--model", args.model, "--dtype", args.dtype, "--log-level", args.log_level, *engine_argv]
-    if args.served_model_name:
-        common += ["--served-model-name", args.served_model_name]
+    named = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     secure = ["--zmq-curve-keys", args.zmq_curve_keys] if args.zmq_curve_keys else []
-    common += secure
+    common = ["--model", args.model, "--log-level", args.log_level, *named, *secure,
+              *engine_argv(args, parser, skip=("num_threads",))]
     roles = [("both", args.num_nodes)] if args.colocated else [("prefill", args.num_prefill), ("decode", args.num_decode)]
     num_nodes = sum(n for _, n in roles)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_nodes)
     procs = [("router", py + ["pdserve.router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
-                              "--log-level", args.log_level,
-                              "--model", args.model, *(["--served-model-name", args.served_model_name]
-                                                       if args.served_model_name else []),
-                              *secure, *(["--api-key", args.api_key] if args.api_key else []),
+                              "--instance-id", instance_id, "--log-level", args.log_level, "--model", args.model,
+                              *named, *secure, *(["--api-key", args.api_key] if args.api_key else []),
                               *shlex.split(args.router_args)])]
     for role, count in roles:
         module = "pdserve.decode" if role == "decode" else "pdserve.prefill"
@@ -85,34 +112,54 @@ def plan(args: argparse.Namespace, engine_argv: list[str]) -> list[tuple[str, li
     return procs
 
 
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> bool:
+def is_our_router_healthy(url: str, instance_id: str) -> bool:
+    """GET /health answers 200 and carries this stack's instance id (not another server's on the port)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200 and json.loads(r.read()).get("instance_id") == instance_id
+    except (OSError, ValueError):  # not up yet, 503 (HTTPError), or not our JSON
+        return False
+
+
+def wait_ready(url: str, instance_id: str, procs: list[tuple[str, subprocess.Popen]], timeout: float,
+               stopping: list[bool]) -> str | None:
+    """None once this stack's router is healthy, else why not (an error line; "" when asked to stop)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
+        if stopping[0]:
+            return ""
+        for name, p in procs:
+            if p.poll() is not None:
+                return f"{name} exited ({p.returncode}) before the stack became healthy; stopping"
+        if is_our_router_healthy(url, instance_id):
+            return None
         time.sleep(0.5)
-    return False
+    return f"the stack did not become healthy within {timeout:g} s (--ready-timeout); stopping"
 
 
-def stop_all(procs: list[tuple[str, subprocess.Popen]], timeout: float = 30.0) -> None:
-    """Nodes first (SIGTERM drains them), then the router; SIGKILL whatever outlives the timeout."""
+def stop_all(procs: list[tuple[str, subprocess.Popen]], timeout: float = 30.0) -> list[str]:
+    """Nodes first (SIGTERM drains them), then the router; SIGKILL whatever outlives the timeout.
+    Returns the names of the processes that had to be killed."""
+    killed = []
     for group in (procs[1:], procs[:1]):
         for _, p in group:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for _, p in group:
+        for name, p in group:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+                killed.append(name)
+    return killed
+
+
+def stopped_line(procs: list[tuple[str, subprocess.Popen]], killed: list[str]) -> str:
+    num_nodes = sum(1 for name, _ in procs if name != "router")
+    what = ("router and " if procs and procs[0][0] == "router" else "") + f"{num_nodes} node{'s' * (num_nodes != 1)}"
+    return f"pdserve serve: stopped ({what} exited" + (f"; killed {', '.join(killed)})" if killed else ")")
 
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -120,8 +167,6 @@ DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 def demo_chat(url: str, api_key: str | None = None) -> None:
     """One chat request through the stack, printed the way a user would see it."""
-    import json
-
     body = {"messages": [{"role": "user", "content": DEMO_QUESTION}], "max_tokens": 64, "temperature": 0}
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
@@ -136,16 +181,93 @@ def demo_chat(url: str, api_key: str | None = None) -> None:
           f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, engine_argv = build_parser().parse_known_args(argv)
-    from pdserve.engine.loader import resolve_model
+def supervise(commands: list[tuple[str, list[str]]], procs: list[tuple[str, subprocess.Popen]],
+              stopping: list[bool], no_restart: bool) -> int:
+    """Restart processes that die until asked to stop (0), or until one keeps dying (1)."""
+    restarts: dict[str, list[float]] = {}
+    while not stopping[0]:
+        for i, (name, proc) in enumerate(procs):
+            if proc.poll() is None or stopping[0]:
+                continue
+            recent = [t for t in restarts.get(name, []) if time.monotonic() - t < RESTART_WINDOW_S]
+            if no_restart or len(recent) >= MAX_RESTARTS:
+                why = "" if no_restart else f" {len(recent) + 1} times within {RESTART_WINDOW_S:g} s"
+                print(f"pdserve serve: {name} exited ({proc.returncode}){why}; stopping the stack",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"pdserve serve: {name} exited ({proc.returncode}); restarting it", file=sys.stderr, flush=True)
+            restarts[name] = [*recent, time.monotonic()]
+            procs[i] = (name, subprocess.Popen(dict(commands)[name], start_new_session=True))
+        time.sleep(0.5)
+    return 0
 
-    resolve_model(args.model)  # fetch/convert once here, not in every node at the same time
+
+def run_stack(args: argparse.Namespace, parser: argparse.ArgumentParser, stopping: list[bool]) -> int:
+    """Start every process, wait until this stack's router is healthy, supervise; always stop them all."""
+    instance_id = uuid.uuid4().hex  # tells our router's /health from another server's on the port
+    commands = plan(args, parser, instance_id)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        for name, cmd in commands:
+            procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
+        url = f"http://{args.host}:{args.port}"
+        not_ready = wait_ready(url + "/health", instance_id, procs, args.ready_timeout, stopping)
+        if not_ready is not None:
+            if not_ready:
+                print(f"pdserve serve: {not_ready}", file=sys.stderr, flush=True)
+            return 1 if not_ready else 0
+        print(f"pdserve is ready: {url}/v1 (model {served_model_name(args.model, args.served_model_name)}); "
+              "Ctrl-C stops it", flush=True)
+        if args.demo:
+            demo_chat(url, args.api_key)
+        return supervise(commands, procs, stopping, args.no_restart)
+    finally:
+        killed = stop_all(procs)
+        if procs:
+            print(stopped_line(procs, killed), file=sys.stderr, flush=True)
+
+
+ROLE_ARG_FLAGS = ("--prefill-args", "--decode-args", "--router-args")
+
+
+def join_role_args(argv: list[str]) -> list[str]:
+    """`--decode-args --max-num-seqs` as `--decode-args=--max-num-seqs`: argparse would take a
+    value that looks like a flag for a flag, and complain that --decode-args has no value."""
+    joined = []
+    tokens = iter(argv)
+    for token in tokens:
+        value = next(tokens, None) if token in ROLE_ARG_FLAGS else None
+        joined.append(token if value is None else f"{token}={value}")
+    return joined
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # An unknown flag: usage + error, exit 2, before anything starts.
+    args = parser.parse_args(join_role_args(sys.argv[1:] if argv is None else argv))
+    if not 0 < args.port < 65536:  # 0 would be a free port this command could not find
+        parser.error(f"argument --port: {args.port} is not a port number (1..65535)")
+    role_args = {"--prefill-args": args.prefill_args, "--decode-args": args.decode_args,
+                 "--router-args": args.router_args}
+    error = check_role_args({flag: value for flag, value in role_args.items() if value})
+    if error:
+        print(f"pdserve serve: error: {error}", file=sys.stderr)
+        return 2
+    error = check_port_free(args.host, args.port)
+    if error:
+        print(f"pdserve serve: error: {error}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        # Fetch/convert once here, not in every node at the same time.
+        resolve_model_verbosely(args.model, "pdserve serve")
+    except ValueError as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 2
     if args.zmq_curve_keys and not os.path.exists(os.path.join(args.zmq_curve_keys, "server.key_secret")):
         from pdserve.kvtransfer.curve import generate_keys
 
         generate_keys(args.zmq_curve_keys)
-    procs: list[tuple[str, subprocess.Popen]] = []
     stopping = [False]
 
     def on_signal(signum, frame) -> None:
@@ -153,31 +275,4 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    try:
-        commands = plan(args, engine_argv)
-        for name, cmd in commands:
-            procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
-        url = f"http://{args.host}:{args.port}"
-        if not wait_ready(url + "/health", [p for _, p in procs], args.ready_timeout):
-            print("pdserve serve: the stack did not become healthy; stopping", file=sys.stderr)
-            return 1
-        print(f"pdserve is ready: {url}/v1 (model {args.served_model_name or args.model}); Ctrl-C stops it",
-              flush=True)
-        if args.demo:
-            demo_chat(url, args.api_key)
-        restarts: dict[str, list[float]] = {}
-        while not stopping[0]:
-            for i, (name, proc) in enumerate(procs):
-                if proc.poll() is None or stopping[0]:
-                    continue
-                recent = [t for t in restarts.get(name, []) if time.monotonic() - t < RESTART_WINDOW_S]
-                if args.no_restart or len(recent) >= MAX_RESTARTS:
-                    print(f"pdserve serve: {name} exited ({proc.returncode}); stopping the stack", file=sys.stderr)
-                    return 1
-                print(f"pdserve serve: {name} exited ({proc.returncode}); restarting it", file=sys.stderr, flush=True)
-                restarts[name] = [*recent, time.monotonic()]
-                procs[i] = (name, subprocess.Popen(dict(commands)[name], start_new_session=True))
-            time.sleep(0.5)
-        return 0
-    finally:
-        stop_all(procs)
+    return run_stack(args, parser, stopping)

@@ -1,1 +1,1 @@
-"""pdserve.decode: built in a later issue (see the README)."""
+"""pdserve.decode: the decode node (take announced KV, pull it, continuous decode) and its process."""

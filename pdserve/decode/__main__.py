@@ -1,62 +1,47 @@
-"""`pdserve decode --router ADDR ...` (also `python -m decode_node`)."""
+"""`pdserve decode --router ADDR ...` (also `python -m pdserve.decode`). The process's life is the
+node runtime's (`pdserve.node.runtime.run_node`); what is decode's own is built here."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import uuid
-
-logger = logging.getLogger("pdserve.decode")
 
 
 def build_parser(prog: str = "pdserve decode") -> argparse.ArgumentParser:
-    from pdserve.cli.main import add_node_args
+    from pdserve.node.args import add_node_args
 
     p = argparse.ArgumentParser(prog=prog, description="a pdserve decode node")
-    p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over (0 = free)")
+    p.set_defaults(role="decode")
+    p.add_argument("--kv-port", type=int, default=0, help="where prefill nodes connect to hand KV over; 0 = a free port (default: %(default)s)")
     p.add_argument("--kv-pull-timeout", type=float, default=30.0,
-                   help="seconds to wait for a request's KV before giving it up (the router retries it)")
-    p.add_argument("--kv-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow network
+                   help="seconds to wait for a request's KV before giving it up, the router retrying it "
+                        "(default: %(default)s)")
+    p.add_argument("--kv-pull-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # node.faults: slow network
     add_node_args(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from pdserve.cli.main import build_engine, install_stop_handlers, load_curve_keys, served_name
+def build_node(setup):
+    """The engine, the KV socket prefill nodes hand KV to, the link, and the node."""
+    from pdserve.cli.main import build_engine
     from pdserve.decode.node import DecodeNode
     from pdserve.kvtransfer.receiver import KVReceiver
-    from pdserve.node.messages import kv_layout, register_message
-    from pdserve.node.router_link import RouterLink, StatusServer, advertise_host, advertised_addr, serve_node
+    from pdserve.node.messages import kv_layout
+    from pdserve.node.router_link import advertised_addr
 
-    stop = install_stop_handlers()
-    curve = load_curve_keys(args)
-    node_id = args.node_id or f"decode-{uuid.uuid4().hex[:8]}"
-    name = served_name(args)
-    host = advertise_host(args.host, args.advertise_host)
-    # Up before the model loads: /health answers 503 until warm-up is done.
-    status = StatusServer(args.host, args.status_port, advertise_host=host, ready=False)
+    args = setup.args
     engine = build_engine(args)
-    receiver = KVReceiver(node_id, kv_layout(engine, name), engine.runner.kv_buffer,
-                          bind_addr=f"tcp://{args.host}:{args.kv_port}", pull_timeout_s=args.kv_pull_timeout,
-                          curve=curve)
-    kv_addr = advertised_addr(receiver.kv_addr, host)
-    link = RouterLink(args.router, register_message(node_id, "decode", engine, name, kv_addr=kv_addr), curve=curve)
-    node = DecodeNode(engine, link, receiver, kv_pull_delay_s=args.kv_pull_delay_s, max_queue_len=args.max_queue_len,
-                      step_delay_s=args.step_delay_s)
-    status.status_fn, status.metrics_fn = node.status, node.metrics.render
-    link.register_msg.metrics_url = status.url
-    engine.warm_up()
-    status.ready = True
-    logger.info("%s ready (kv %s, status %s), registering with %s", node_id, kv_addr, status.url, args.router)
-    try:
-        serve_node(node, link, stop_flag=stop, drain_timeout_s=args.drain_timeout)
-    finally:
-        for closer in (receiver, link, status):
-            closer.close()
-    return 0
+    receiver = setup.close_later(KVReceiver(
+        setup.node_id, kv_layout(engine, setup.served_model_name), engine.runner.kv_buffer,
+        bind_addr=f"tcp://{args.host}:{args.kv_port}", pull_timeout_s=args.kv_pull_timeout, curve=setup.curve))
+    link = setup.router_link(engine, kv_addr=advertised_addr(receiver.kv_addr, setup.host))
+    return DecodeNode(engine, link, receiver, max_queue_len=args.max_queue_len, faults=setup.faults)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.node.runtime import run_node
+
+    return run_node(build_parser(), build_node, argv)
 
 
 if __name__ == "__main__":

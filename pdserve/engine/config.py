@@ -8,9 +8,7 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "half": torch.float16,
-           "float": torch.float32}
+from pdserve.engine.dtypes import parse_dtype
 
 
 @dataclass
@@ -34,8 +32,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
-        if self.dtype not in _DTYPES and self.dtype != "auto":
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)  # ValueError naming the choices
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > 128:
@@ -61,7 +59,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") or cpu_has_native_bf16() else torch.float32
-        return _DTYPES[self.dtype]
+        return parse_dtype(self.dtype)
 
 
 @functools.cache

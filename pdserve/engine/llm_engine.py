@@ -125,12 +125,14 @@ class LLMEngine:
         growth, kernel compilation, a CUDA context) do not land on the first real request. The
         counters it moved are put back, so metrics show real traffic only."""
         bm, sched = self.block_manager, self.scheduler
-        saved = bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions
+        saved = (bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions, sched.num_prompt_tokens_computed,
+                 sched.num_tokens_sampled)
         self.add_request([0, 1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
                          request_id="pdserve-warm-up")
         while self.has_unfinished():
             self.step_requests()
-        bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions = saved
+        (bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions, sched.num_prompt_tokens_computed,
+         sched.num_tokens_sampled) = saved
 
     # ---- one iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -208,7 +208,8 @@ def convert_gguf_locked(gguf_path: Path, target: Path) -> Path:
         write_hf_dir(gguf_path, scratch)
         make_readable(scratch)
         if publish(scratch, target):
-            logger.info("Converted %s in %.1f s", gguf_path.name, time.monotonic() - started)
+            logger.info("Converted %s in %.1f s; later starts read %s", gguf_path.name, time.monotonic() - started,
+                        target)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target

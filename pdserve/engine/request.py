@@ -10,6 +10,14 @@ Lengths, drawn once (vLLM's names):
 A running request in decode has num_computed_tokens == num_tokens - 1: the last sampled token
 is fed back in the next step. Preemption by recompute resets num_computed_tokens to 0 and the
 whole sequence (prompt + outputs so far) is prefilled again.
+
+States (`RequestStatus`), per role; the scheduler moves a request between them:
+
+    any engine:   WAITING ─▶ RUNNING ─▶ FINISHED_*          (preempted: ─▶ WAITING or SWAPPED ─▶ RUNNING)
+    prefill node: RUNNING ─▶ TRANSFERRING                  (detached: blocks pinned under a lease)
+    decode node:  WAITING_FOR_KV ─▶ RECEIVING_KV ─▶ RUNNING ─▶ FINISHED_*
+                  (KV announced,    (blocks here,    (prompt KV computed elsewhere)
+                   no blocks)        copy in flight)
 """
 
 from __future__ import annotations
@@ -37,6 +45,11 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
+    @property
+    def is_remote_kv(self) -> bool:
+        """Its prompt KV comes from another node and has not arrived yet."""
+        return self in (RequestStatus.WAITING_FOR_KV, RequestStatus.RECEIVING_KV)
+
 
 _arrival_counter = itertools.count()
 
@@ -58,6 +71,10 @@ class Request:
     # elsewhere): sampling treats them as output, so seeded draws and penalties carry on unchanged.
     num_prior_output_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)  # wall-clock events, for latency breakdowns
+    # Remote KV (decode node), monotonic times: the last LeaseRenew sent while it waited for blocks,
+    # and when its pull started (RECEIVING_KV), for the transfer-time metric.
+    kv_lease_renewed_at: float = 0.0
+    kv_pull_started_at: float | None = None
     # Tie-break for equal arrival times: admission order is stable.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
 

@@ -10,6 +10,17 @@ Each step, in this order:
      the watermark) allow. A prompt longer than the budget is split over steps (chunked prefill).
 The result is one `SchedulerOutput`, the only thing the model runner sees. After the forward,
 `postprocess` advances the requests, appends sampled tokens and retires finished requests.
+
+A decode node's requests arrive with their prompt KV computed elsewhere (vLLM's
+WAITING_FOR_REMOTE_KVS). The scheduler owns those states too, and the blocks they hold:
+
+    add_remote ─▶ WAITING_FOR_KV ──schedule_remote_kv──▶ RECEIVING_KV ──remote_kv_done──▶ RUNNING
+                  (no blocks; arrival   (blocks allocated here for the    (joins the batch: prompt KV
+                   order)                prompt; the node pulls into them)  computed, first token fed next)
+                  remote_kv_failed / abort, from either state ─▶ FINISHED_ABORTED, blocks freed
+
+`schedule_remote_kv` starts pulls in arrival order while `max_num_seqs` (running + receiving)
+and free blocks allow, keeping the watermark back unless nothing runs or receives.
 """
 
 from __future__ import annotations
@@ -75,13 +86,16 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # admission order
         self.swapped: list[Request] = []  # sorted by (priority, arrival)
-        self.requests: dict[str, Request] = {}
+        self.waiting_for_kv: list[Request] = []  # remote KV announced, no blocks yet: arrival order
+        self.receiving_kv: dict[str, Request] = {}  # blocks allocated, the node copies the KV in
+        self.requests: dict[str, Request] = {}  # every request held, remote-KV states included
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt positions whose KV a forward computed here (totals)
+        self.num_tokens_sampled = 0
 
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self._check_new(request)
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"request {request.request_id}: prompt of {request.num_tokens} tokens leaves no room under "
@@ -91,20 +105,70 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=_order)
 
-    def add_prefilled(self, request: Request) -> None:
-        """Admit a request whose prompt KV was computed elsewhere (a prefill node) and copied into
-        blocks the caller already allocated under its id. It joins the running batch at once:
-        prompt KV computed, the first output token not yet fed back."""
+    def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if len(self.block_manager.block_ids(request.request_id)) < self.block_manager.num_blocks_for(
-            request.num_prompt_tokens
-        ):
-            raise ValueError(f"request {request.request_id}: allocate its prompt blocks before add_prefilled")
+
+    # ---- remote KV (decode node) ----------------------------------------------------------
+    def add_remote(self, request: Request) -> None:
+        """Queue a request whose prompt KV another node computed (its first token already
+        appended): it waits, holding no block, until `schedule_remote_kv` finds room for it."""
+        self._check_new(request)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.requests[request.request_id] = request
+        self.waiting_for_kv.append(request)
+
+    def schedule_remote_kv(self, *, arrived_before: float | None = None) -> list[Request]:
+        """Allocate prompt blocks for waiting remote-KV requests, in arrival order, while the batch
+        and the pool allow; they move to RECEIVING_KV and are returned: the caller pulls their KV
+        into `block_manager.block_ids(request_id)`. `arrived_before` (a monotonic time) holds back
+        requests that arrived later (the fault-injection hook's simulated slow network)."""
+        bm = self.block_manager
+        started = []
+        while self.waiting_for_kv:
+            request = self.waiting_for_kv[0]
+            room = len(self.running) + len(self.receiving_kv) < self.config.max_num_seqs
+            # As for waiting requests: no watermark on a pool nothing else will grow into.
+            reserve = bool(self.running or self.receiving_kv)
+            if not room or not bm.can_allocate(request.request_id, request.num_prompt_tokens, reserve=reserve):
+                break
+            if arrived_before is not None and request.arrival_time > arrived_before:
+                break
+            self.waiting_for_kv.pop(0)
+            bm.allocate(request.request_id, request.num_prompt_tokens)
+            request.status = RequestStatus.RECEIVING_KV
+            request.kv_pull_started_at = time.monotonic()
+            self.receiving_kv[request.request_id] = request
+            started.append(request)
+        return started
+
+    def remote_kv_done(self, request_id: str) -> Request | None:
+        """The request's KV is in its blocks: it joins the running batch (prompt KV computed, the
+        first output token not yet fed back). None when it is no longer receiving (aborted)."""
+        request = self.receiving_kv.pop(request_id, None)
+        if request is None:
+            return None
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
-        self.requests[request.request_id] = request
         self.running.append(request)
+        return request
+
+    def remote_kv_failed(self, request_id: str) -> Request | None:
+        """Give up a request still waiting for or receiving its KV: its blocks are freed. None when
+        no such request is held here."""
+        request = self.requests.get(request_id)
+        if request is None or not request.status.is_remote_kv:
+            return None
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        return len(self.waiting_for_kv)
+
+    @property
+    def num_receiving_kv(self) -> int:
+        return len(self.receiving_kv)
 
     def detach(self, request: Request) -> list[int]:
         """Take a running request out of scheduling but leave its blocks allocated: the caller now
@@ -123,20 +187,22 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a request and release everything it holds (device and host blocks)."""
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running, self.swapped, self.waiting_for_kv):
             if request in queue:
                 queue.remove(request)
+        self.receiving_kv.pop(request.request_id, None)
         self.block_manager.free(request.request_id)
         self.block_manager.free_host(request.request_id)
         request.status = status
         self.requests.pop(request.request_id, None)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished(self) -> bool:
+        """Any request held, remote-KV states included."""
         return bool(self.requests)
+
+    def has_runnable(self) -> bool:
+        """A request a step can schedule (waiting, running or swapped)."""
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -257,6 +323,8 @@ class Scheduler:
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            self.num_prompt_tokens_computed += max(
+                0, min(request.num_computed_tokens, request.num_prompt_tokens) - item.num_computed_tokens)
             self.block_manager.cache_full_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens
             )
@@ -264,6 +332,7 @@ class Scheduler:
                 continue
             token_id, logprobs = sampled[request.request_id]
             request.append_output(token_id, logprobs)
+            self.num_tokens_sampled += 1
             status = self.check_stop(request)
             if status is not None:
                 self.finish(request, status)

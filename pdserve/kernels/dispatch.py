@@ -31,14 +31,14 @@ if triton_attention is not None:
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """None means Triton on CUDA (once it exists) and torch elsewhere."""
+    """None means Triton on CUDA (when Triton is installed) and torch elsewhere."""
     if backend is None:
         return "triton" if device.type == "cuda" and "triton" in _PAGED_ATTENTION else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS} or None")
     if backend not in _PAGED_ATTENTION:
         raise ValueError(
-            f"the {backend!r} kernel backend is not available yet (a later change adds it); "
+            f"the {backend!r} kernel backend needs Triton, which is not installed here; "
             "use backend='torch' or None"
         )
     return backend

@@ -1,1 +1,13 @@
-"""pdserve.kvtransfer: the wire between router, prefill and decode nodes (messages, sockets, KV hand-off)."""
+"""pdserve.kvtransfer: the wire between router, prefill and decode nodes (messages, sockets, KV hand-off).
+
+    messages.py   every wire message (msgpack dataclasses), KVLayout included
+    sockets.py    the one socket factory (`make_socket`) and typed send/recv
+    curve.py      optional CURVE keys and the ZAP authenticator
+    layout.py     the checks both ends make against a KVLayout (pool shape, KVReady, block ids)
+    payload.py    gather/scatter/copy a request's tokens; tensors <-> frames; the dtype table
+    lease.py      how long the prefill node keeps handed-off blocks pinned
+    sender.py     prefill side: KVReady, serve pulls, release on KVDone or lease expiry
+    receiver.py   decode side: handshake probes, pull through a transport, KVDone
+    transport.py  the transport interface; one file per transport:
+                  shm.py ("shm"), cuda_ipc.py ("cuda_ipc"), zmq_pull.py ("zmq")
+"""

@@ -4,18 +4,21 @@ CUDA IPC handle and copies a request's blocks device to device (one Triton launc
 The handle travels in the handshake's `KVLayout.cuda_ipc` as plain msgpack values (ints and
 bytes: what `UntypedStorage._share_cuda_` returns), never pickled. "Same host" is decided by the
 probe: the peer's device UUID names a device visible here and the handle opens; otherwise the
-decode node pulls over ZMQ.
+decode node pulls over ZMQ. `CudaIpcTransport` ("cuda_ipc") is the receiver's side
+(kvtransfer.transport); `advertise` is the sender's: it puts the handle in the handshake.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
+from pdserve.kvtransfer.layout import layout_shape
 from pdserve.kvtransfer.messages import KVLayout
 from pdserve.kvtransfer.payload import DTYPES
-from pdserve.kvtransfer.shm import layout_shape
+from pdserve.kvtransfer.transport import PeerPoolCopy, Send
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,13 @@ def export_pool(pool: torch.Tensor) -> dict:
     info = dict(zip(_FIELDS, shared, strict=True))
     info["storage_offset"] = pool.storage_offset()
     return info
+
+
+def advertise(layout: KVLayout, pool: torch.Tensor) -> KVLayout:
+    """`layout` plus what a same-host peer needs to map `pool` (unchanged for a CPU pool)."""
+    if not pool.is_cuda:
+        return layout
+    return dataclasses.replace(layout, device_uuid=device_uuid(pool.device), cuda_ipc=export_pool(pool))
 
 
 def open_peer_pool(layout: KVLayout) -> torch.Tensor | None:
@@ -54,3 +64,12 @@ def open_peer_pool(layout: KVLayout) -> torch.Tensor | None:
         log.info("CUDA IPC handle of %s did not open here (%s): pulling over ZMQ", layout.model, e)
         return None
     return pool
+
+
+class CudaIpcTransport(PeerPoolCopy):
+    """Same host, GPU pools: the handle is the peer's pool mapped by its CUDA IPC handle."""
+
+    name = "cuda_ipc"
+
+    def open(self, peer_layout: KVLayout, send: Send) -> torch.Tensor | None:
+        return open_peer_pool(peer_layout)

@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,11 +136,30 @@ def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticato
             if allowed != keys.allowed_client_keys:
                 raise ValueError("a ZAP authenticator with other allowed keys already runs on this context")
             return auth
-        auth = ThreadAuthenticator(ctx)
-        auth.start()
+        auth = _start_zap_thread(ctx)
         auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowedKeys(keys.allowed_client_keys))
         _authenticators[ctx] = (auth, keys.allowed_client_keys)
         return auth
+
+
+def _start_zap_thread(ctx: zmq.Context, retry_s: float = 2.0) -> ThreadAuthenticator:
+    """Start a ThreadAuthenticator, retrying while the previous one's ZAP endpoint is still bound:
+    a closed socket lets go of its inproc address only when libzmq's reaper gets to it, so a stop
+    followed at once by a start on the same context can find "inproc://zeromq.zap.01" in use."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        auth = ThreadAuthenticator(ctx)
+        try:
+            auth.start()
+            return auth
+        except zmq.ZMQError as e:
+            for sock in (auth.zap_socket, auth.pipe):  # whatever it opened before the bind failed
+                if sock is not None and not sock.closed:
+                    sock.close(0)
+            auth.zap_socket = auth.pipe = None
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def stop_authenticator(ctx: zmq.Context) -> None:

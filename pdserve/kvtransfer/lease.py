@@ -69,9 +69,6 @@ class LeaseTable:
         lease = self._leases.get(request_id)
         return None if lease is None else lease.deadline
 
-    def is_held(self, request_id: str) -> bool:
-        return request_id in self._leases
-
     @property
     def held_ids(self) -> list[str]:
         return list(self._leases)

@@ -19,14 +19,8 @@ import warnings
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"unsupported KV dtype {dtype}")
-    return DTYPE_NAMES[dtype]
+# The one table between dtype names (on the wire, in KVLayout and KVData) and torch dtypes.
+from pdserve.engine.dtypes import DTYPE_NAMES, DTYPES, dtype_name  # noqa: F401 (the one table, re-exported)
 
 
 def slot_ids(block_ids: list[int], block_size: int, num_tokens: int, device: torch.device | str = "cpu"

@@ -1,70 +1,96 @@
 """Decode side of the KV hand-off: accept announcements, pull the blocks in, ack.
 
-One ROUTER socket; every prefill node connects to it and opens with a `Handshake`. A request
-announced by `KVReady` goes through:
+One ROUTER socket; every prefill node connects to it and opens with a `Handshake`, which is when
+the transports (kvtransfer.transport) probe the peer, in `TRANSPORTS` order. A request announced
+by `KVReady` goes through (event kinds are `KVEventKind`):
 
-    KVReady ─▶ event "ready" ─▶ (node allocates blocks; renew() while it waits) ─▶ pull(blocks)
-       same host:  copy straight out of the peer's mapped pool ─▶ KVDone ─▶ event "done"
-       otherwise:  KVPull ─▶ KVData + payload frame ─▶ scatter ─▶ KVDone ─▶ event "done"
-       KVData(ok=False), a bad payload, or no answer in pull_timeout_s ─▶ KVDone(ok=False) ─▶ "failed"
-       release() (abort, the node gives up) ─▶ KVDone(ok=False)
+    KVReady ─▶ READY ─▶ (node allocates blocks; renew() while it waits) ─▶ pull(blocks)
+       "shm" / "cuda_ipc":  copy straight out of the peer's mapped pool ─▶ KVDone ─▶ DONE
+       "zmq":               KVPull ─▶ KVData + payload frame ─▶ scatter ─▶ KVDone ─▶ DONE
+       KVData(ok=False), a bad payload, a failed copy, or no answer in pull_timeout_s ─▶ KVDone(ok=False) ─▶ FAILED
+       release() (abort, the node gives up) ─▶ KVDone(ok=False), no event
 
 Ownership: the decode node allocates and frees its own blocks; this class only fills them.
 Every request it announced ends with exactly one KVDone to the prefill node (ok or not), which is
 what lets the prefill node free its blocks early instead of waiting out the lease.
-Same host is proved per peer at handshake time (`open_peer_pool`: segment size and probe token).
-The shared-memory path is only used while our estimate of the peer's lease is comfortably alive
-(the peer frees its blocks when the lease runs out); past that we pull over ZMQ, where the peer
-answers "no longer held" instead of letting us copy reused blocks.
+Same host is proved per peer at handshake time (the probes: segment size and probe token, or a
+CUDA IPC handle that opens). A transport that reads the peer's pool is only used while our
+estimate of the peer's lease is comfortably alive (the peer frees its blocks when the lease runs
+out); past that we pull over ZMQ, where the peer answers "no longer held" instead of letting us
+copy reused blocks.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
 
-from pdserve.kvtransfer import cuda_ipc
+from pdserve.kvtransfer.cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.curve import CurveKeys
+from pdserve.kvtransfer.layout import blocks_error, check_pool, ready_error
 from pdserve.kvtransfer.messages import (
     Handshake,
     HandshakeAck,
     KVData,
     KVDone,
     KVLayout,
-    KVPull,
     KVReady,
     LeaseRenew,
     Message,
     MessageError,
 )
-from pdserve.kvtransfer.payload import copy_tokens, dtype_name, frame_to_tensor, scatter_tokens
-from pdserve.kvtransfer.shm import layout_shape, open_peer_pool
+from pdserve.kvtransfer.shm import SharedMemoryTransport
 from pdserve.kvtransfer.sockets import KV_MAX_BYTES, drain, endpoint, make_socket, send_msg
+from pdserve.kvtransfer.transport import KVTransport, Outcome, TransferState
+from pdserve.kvtransfer.zmq_pull import ZmqPullTransport
 
 log = logging.getLogger(__name__)
 
 SHM_LEASE_MARGIN_S = 2.0  # copy from a peer's pool only if its lease has this much left
+# Tried in this order at every handshake; ZMQ, last, reaches every peer. A new backend: one entry.
+TRANSPORTS: tuple[type[KVTransport], ...] = (SharedMemoryTransport, CudaIpcTransport, ZmqPullTransport)
+SAME_HOST_TRANSPORTS = ("shm", "cuda_ipc")  # what `num_shm_copies` counts
+
+
+class KVEventKind(str, enum.Enum):  # a str, so `event.kind == "ready"` holds too
+    READY = "ready"
+    DONE = "done"
+    FAILED = "failed"
 
 
 @dataclass
 class KVEvent:
-    kind: str  # "ready" | "done" | "failed"
+    kind: KVEventKind
     request_id: str
     ready: KVReady | None = None
     error: str = ""
 
 
 @dataclass
-class _Peer:
+class _Link:
+    """A transport that accepted a peer at handshake, with the handle its probe returned."""
+
+    transport: KVTransport
+    handle: Any
+
+
+@dataclass
+class _PrefillPeer:
+    """A prefill node connected to our ROUTER (one per connection identity)."""
+
     node_id: str
     layout: KVLayout
     ok: bool  # the handshake passed
-    pool: torch.Tensor | None = None  # the peer's pool, mapped (same host)
+    links: list[_Link] = field(default_factory=list)  # in TRANSPORTS order; the last does not read the peer's pool
 
 
 @dataclass
@@ -73,30 +99,44 @@ class _Incoming:
     ready: KVReady
     lease_deadline: float  # our (conservative) estimate of when the peer frees the blocks
     dst_block_ids: list[int] | None = None  # set by pull()
-    pulled_at: float | None = None  # a KVPull is in flight since
+    link: _Link | None = None  # the transport pull() chose
+    pulled_at: float | None = None  # a transfer is PENDING since (its data comes as a message)
 
 
 class KVReceiver:
     def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, *,
                  bind_addr: str = "tcp://127.0.0.1:0", pull_timeout_s: float = 30.0, enable_shm: bool = True,
                  max_frame_bytes: int = KV_MAX_BYTES, clock: Callable[[], float] = time.monotonic,
-                 curve: CurveKeys | None = None):
-        if tuple(kv_buffer.shape) != layout_shape(layout) or dtype_name(kv_buffer.dtype) != layout.dtype:
-            raise ValueError(f"kv_buffer {kv_buffer.dtype}{tuple(kv_buffer.shape)} does not match {layout}")
+                 curve: CurveKeys | None = None, transports: tuple[type[KVTransport], ...] = TRANSPORTS):
+        check_pool(layout, kv_buffer)
         self.node_id = node_id
         self.layout = layout
         self.kv_buffer = kv_buffer
         self.pull_timeout_s = pull_timeout_s
-        self.enable_shm = enable_shm
         self.clock = clock
+        # enable_shm=False keeps only the transports that do not read a peer's pool (ZMQ).
+        self.transports = [t(layout, kv_buffer) for t in transports if enable_shm or not t.reads_peer_pool]
         self.sock = make_socket(zmq.ROUTER, bind=bind_addr, max_msg_bytes=max_frame_bytes, curve=curve)
         self.kv_addr = endpoint(self.sock)
-        self.num_shm_copies = 0
-        self.num_zmq_pulls = 0
-        self.num_bytes_received = 0
-        self._peers: dict[bytes, _Peer] = {}
+        self.num_transfers: Counter[str] = Counter()  # transfers done, by transport name
+        self.num_bytes: Counter[str] = Counter()  # KV bytes moved into our pool, by transport name
+        self._peers: dict[bytes, _PrefillPeer] = {}
         self._incoming: dict[str, _Incoming] = {}
         self._events: list[KVEvent] = []  # produced outside poll(), reported by the next poll()
+
+    @property
+    def num_shm_copies(self) -> int:
+        """Transfers done by a same-host copy (shared memory or CUDA IPC)."""
+        return sum(self.num_transfers[name] for name in SAME_HOST_TRANSPORTS)
+
+    @property
+    def num_zmq_pulls(self) -> int:
+        return self.num_transfers["zmq"]
+
+    @property
+    def num_bytes_received(self) -> int:
+        """KV bytes moved into our pool, by every transport."""
+        return sum(self.num_bytes.values())
 
     # ---- the node's calls ---------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[KVEvent]:
@@ -114,24 +154,25 @@ class KVReceiver:
 
     def pull(self, request_id: str, dst_block_ids: list[int]) -> None:
         """Fill `dst_block_ids` (ours, allocated by the node) with the request's KV. The outcome
-        is a "done" or "failed" event from a later poll()."""
+        is a DONE or FAILED event from a later poll()."""
         inc = self._incoming.get(request_id)
         if inc is None:
             raise KeyError(f"no announced request {request_id!r}")
         if inc.dst_block_ids is not None:
             raise ValueError(f"request {request_id!r} is already being pulled")
-        if inc.ready.num_tokens > len(dst_block_ids) * self.layout.block_size:
-            raise ValueError(f"{len(dst_block_ids)} blocks cannot hold {inc.ready.num_tokens} tokens")
-        if any(not 0 <= b < self.layout.num_blocks for b in dst_block_ids):
-            raise ValueError(f"block ids out of range [0, {self.layout.num_blocks})")
+        error = blocks_error(dst_block_ids, inc.ready.num_tokens, self.layout)
+        if error is not None:
+            raise ValueError(error)
         inc.dst_block_ids = list(dst_block_ids)
-        peer = self._peers[inc.identity]
-        if peer.pool is not None and self.clock() < inc.lease_deadline - SHM_LEASE_MARGIN_S:
-            self._copy_same_host(request_id, inc, peer)
+        inc.link = self._choose_link(inc)
+        if inc.link is None:
+            self._events.append(self._fail(request_id, "no transport reaches the prefill node"))
             return
-        inc.pulled_at = self.clock()
-        if not self._send(inc.identity, KVPull(request_id)):
-            self._events.append(self._fail(request_id, "cannot reach the prefill node to pull"))
+        outcome = inc.link.transport.start(inc.link.handle, inc.ready, inc.dst_block_ids)
+        if outcome.state is TransferState.PENDING:
+            inc.pulled_at = self.clock()
+        else:
+            self._events.append(self._finish(request_id, outcome))
 
     def renew(self, request_id: str) -> None:
         """Ask the prefill node to keep the blocks pinned longer (we are waiting for room)."""
@@ -144,10 +185,6 @@ class KVReceiver:
         inc = self._incoming.pop(request_id, None)
         if inc is not None:
             self._send(inc.identity, KVDone(request_id, ok=False, error=error or "released by the decode node"))
-
-    @property
-    def pending_request_ids(self) -> list[str]:
-        return list(self._incoming)
 
     def close(self) -> None:
         for request_id in list(self._incoming):
@@ -174,17 +211,32 @@ class KVReceiver:
         if error is not None:
             error = f"decode node {self.node_id} cannot take KV from {hs.node_id}: {error}"
             log.error(error)
-            self._peers[identity] = _Peer(hs.node_id, hs.layout, ok=False)
+            self._peers[identity] = _PrefillPeer(hs.node_id, hs.layout, ok=False)
             self._send(identity, HandshakeAck(self.node_id, ok=False, error=error))
             return
-        pool = None
-        if self.enable_shm:
-            pool = open_peer_pool(hs.layout, hs.layout.probe_token)  # CPU: shared memory
-            if pool is None:
-                pool = cuda_ipc.open_peer_pool(hs.layout)  # GPU: CUDA IPC
-        self._peers[identity] = _Peer(hs.node_id, hs.layout, ok=True, pool=pool)
-        log.info("prefill node %s connected (%s)", hs.node_id, "same host, shared memory" if pool is not None else "zmq")
-        self._send(identity, HandshakeAck(self.node_id, ok=True, same_host=pool is not None))
+        links = self._open_links(identity, hs.layout)
+        self._peers[identity] = _PrefillPeer(hs.node_id, hs.layout, ok=True, links=links)
+        log.info("prefill node %s connected (%s)", hs.node_id, ", then ".join(link.transport.name for link in links))
+        same_host = bool(links) and links[0].transport.same_host
+        self._send(identity, HandshakeAck(self.node_id, ok=True, same_host=same_host))
+
+    def _open_links(self, identity: bytes, peer_layout: KVLayout) -> list[_Link]:
+        """Probe the transports in order; stop after the first one that is safe past the peer's
+        lease (it does not read the peer's pool): the fallback for late pulls."""
+        send = functools.partial(self._send, identity)
+        links = []
+        for transport in self.transports:
+            handle = transport.open(peer_layout, send)
+            if handle is not None:
+                links.append(_Link(transport, handle))
+                if not transport.reads_peer_pool:
+                    break
+        return links
+
+    def _choose_link(self, inc: _Incoming) -> _Link | None:
+        lease_alive = self.clock() < inc.lease_deadline - SHM_LEASE_MARGIN_S
+        links = self._peers[inc.identity].links
+        return next((link for link in links if lease_alive or not link.transport.reads_peer_pool), None)
 
     def _on_ready(self, identity: bytes, ready: KVReady) -> KVEvent | None:
         peer = self._peers.get(identity)
@@ -198,64 +250,37 @@ class KVReceiver:
             log.warning("duplicate KVReady for %s from %s: dropped", rid, peer.node_id)
             self._send(identity, KVDone(rid, ok=False, error="duplicate request id at the decode node"))
             return None
-        error = self._check_ready(peer, ready)
+        error = ready_error(ready, peer.layout, whose="the peer's")
         if error is not None:
             self._send(identity, KVDone(rid, ok=False, error=error))
-            return KVEvent("failed", rid, ready, error)
+            return KVEvent(KVEventKind.FAILED, rid, ready, error)
         self._incoming[rid] = _Incoming(identity, ready, self.clock() + ready.lease_s)
-        return KVEvent("ready", rid, ready)
-
-    @staticmethod
-    def _check_ready(peer: _Peer, ready: KVReady) -> str | None:
-        if ready.block_size != peer.layout.block_size:
-            return f"KVReady block_size {ready.block_size} != handshake block_size {peer.layout.block_size}"
-        if ready.num_tokens <= 0 or ready.num_tokens > len(ready.block_ids) * ready.block_size:
-            return f"{len(ready.block_ids)} blocks of {ready.block_size} cannot hold {ready.num_tokens} tokens"
-        if any(not 0 <= b < peer.layout.num_blocks for b in ready.block_ids):
-            return f"block ids out of the peer's range [0, {peer.layout.num_blocks})"
-        return None
+        return KVEvent(KVEventKind.READY, rid, ready)
 
     def _on_data(self, identity: bytes, data: KVData, frames: list) -> KVEvent | None:
         inc = self._incoming.get(data.request_id)
         if inc is None or inc.identity != identity or inc.pulled_at is None:
             log.warning("dropped KVData for %s: not being pulled from that peer", data.request_id)
             return None
-        if not data.ok:
-            return self._fail(data.request_id, f"prefill node refused the pull: {data.error}")
-        n = inc.ready.num_tokens
-        shape = [self.layout.num_layers, 2, n, self.layout.num_kv_heads, self.layout.head_dim]
-        if data.dtype != self.layout.dtype or data.shape != shape or len(frames) != 1:
-            return self._fail(data.request_id, f"bad KV payload: {data.dtype}{data.shape} in {len(frames)} "
-                                               f"frame(s), expected {self.layout.dtype}{shape} in 1")
-        try:
-            payload = frame_to_tensor(frames[0], data.dtype, shape)
-            scatter_tokens(self.kv_buffer, inc.dst_block_ids, payload)
-        except ValueError as e:
-            return self._fail(data.request_id, f"bad KV payload: {e}")
-        self.num_zmq_pulls += 1
-        self.num_bytes_received += payload.numel() * payload.element_size()
-        return self._succeed(data.request_id)
-
-    def _copy_same_host(self, request_id: str, inc: _Incoming, peer: _Peer) -> None:
-        try:
-            copy_tokens(peer.pool, inc.ready.block_ids, self.kv_buffer, inc.dst_block_ids, inc.ready.num_tokens)
-        except (ValueError, RuntimeError) as e:
-            self._events.append(self._fail(request_id, f"same-host copy failed: {e}"))
-            return
-        self.num_shm_copies += 1
-        self._events.append(self._succeed(request_id))
+        outcome = inc.link.transport.on_data(inc.link.handle, inc.ready, inc.dst_block_ids, data, frames)
+        return self._finish(data.request_id, outcome)
 
     # ---- outcomes -------------------------------------------------------------------------
-    def _succeed(self, request_id: str) -> KVEvent:
+    def _finish(self, request_id: str, outcome: Outcome) -> KVEvent:
+        if outcome.state is not TransferState.DONE:
+            return self._fail(request_id, outcome.error or f"transfer ended {outcome.state.value}")
         inc = self._incoming.pop(request_id)
+        name = inc.link.transport.name
+        self.num_transfers[name] += 1
+        self.num_bytes[name] += outcome.num_bytes
         self._send(inc.identity, KVDone(request_id, ok=True))
-        return KVEvent("done", request_id, inc.ready)
+        return KVEvent(KVEventKind.DONE, request_id, inc.ready)
 
     def _fail(self, request_id: str, error: str) -> KVEvent:
         inc = self._incoming.pop(request_id)
         log.warning("KV transfer of %s failed: %s", request_id, error)
         self._send(inc.identity, KVDone(request_id, ok=False, error=error))
-        return KVEvent("failed", request_id, inc.ready, error)
+        return KVEvent(KVEventKind.FAILED, request_id, inc.ready, error)
 
     def _check_timeouts(self) -> list[KVEvent]:
         now = self.clock()

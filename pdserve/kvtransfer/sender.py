@@ -1,11 +1,14 @@
 """Prefill side of the KV hand-off: announce a request's blocks, serve pulls, free on the ack.
 
 One DEALER socket per decode node, opened on the first `send` to it; the first message on it is
-our `Handshake` (the pool layout, and the shared-memory segment a same-host peer may map).
+our `Handshake`: the pool layout plus what each same-host transport's probe needs (the
+shared-memory segment and its probe token, or the pool's CUDA IPC handle; kvtransfer.transport).
 A request handed to `send` is held under a lease from that moment:
 
     send() ─KVReady─▶ HELD ─KVPull─▶ KVData sent (lease renewed) ─KVDone─▶ released
+                       ├─ the decode node copies out of our pool (same host) ─KVDone─▶ released
                        │  LeaseRenew: deadline pushed back
+                       ├─ KVPull, and `faults` drops the payload: the decode node times out ─KVDone(ok=False)─▶ released
                        ├─ lease expires ──────────────────────────────▶ released + on_error
                        ├─ abort() / close() ─────────────────────────▶ released
                        └─ HandshakeAck(ok=False) from its decode node ─▶ released + on_error
@@ -14,7 +17,8 @@ Ownership: the prefill node's block manager allocated the blocks; from `send` on
 them and calls `release(request_id)` exactly once per request (the `LeaseTable` guarantees it),
 after which the node frees them (or keeps them as prefix cache). Same-host peers copy straight
 out of our pool and then ack with KVDone, so the blocks stay pinned until that ack too.
-Nothing here blocks: the node's loop calls `poll()`.
+Nothing here blocks: the node's loop calls `poll()`. Fault injection (chaos runs, tests) goes
+through a `faults` object that may drop or spoil a pull's payload frame (`PayloadFaults`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import zmq
 
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.curve import CurveKeys
+from pdserve.kvtransfer.layout import check_pool, ready_error
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.messages import (
     Handshake,
@@ -44,73 +50,73 @@ from pdserve.kvtransfer.messages import (
     Message,
     MessageError,
 )
-from pdserve.kvtransfer.payload import dtype_name, gather_tokens, tensor_to_frame
-from pdserve.kvtransfer.shm import SharedKVPool, layout_shape
+from pdserve.kvtransfer.payload import gather_tokens, tensor_to_frame
+from pdserve.kvtransfer.shm import SharedKVPool
 from pdserve.kvtransfer.sockets import CONTROL_MAX_BYTES, drain, make_socket, send_msg
 
 log = logging.getLogger(__name__)
 
 
+class PayloadFaults(Protocol):
+    """Fault injection on the pull path (pdserve.node.faults.FaultInjection in a node)."""
+
+    def spoil_payload(self, frame: memoryview) -> memoryview | None:
+        """Called once per pull about to be answered: None drops the payload (nothing is sent, the
+        decode node times out); otherwise the returned frame is sent in place of `frame`."""
+
+
 @dataclass
-class _Peer:
+class _DecodePeer:
     """A decode node we hand requests to, over one DEALER connection."""
 
     node_id: str
     addr: str
     sock: zmq.Socket
     acked: bool = False  # HandshakeAck(ok=True) arrived
-    same_host: bool = False  # it mapped our shared-memory pool
+    same_host: bool = False  # it mapped our pool (shared memory or CUDA IPC)
     request_ids: set[str] = field(default_factory=set)
 
 
 class KVSender:
     def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, release: Callable[[str], None],
                  *, lease_s: float = 30.0, shm_pool: SharedKVPool | None = None, probe_token: str = "",
-                 clock: Callable[[], float] = time.monotonic, curve: CurveKeys | None = None):
-        if tuple(kv_buffer.shape) != layout_shape(layout) or dtype_name(kv_buffer.dtype) != layout.dtype:
-            raise ValueError(f"kv_buffer {kv_buffer.dtype}{tuple(kv_buffer.shape)} does not match {layout}")
-        if shm_pool is not None:
+                 clock: Callable[[], float] = time.monotonic, curve: CurveKeys | None = None,
+                 faults: PayloadFaults | None = None, on_error: Callable[[str, str], None] | None = None):
+        check_pool(layout, kv_buffer)
+        if shm_pool is not None:  # the CPU same-host path: peers on this machine map the segment
             if shm_pool.tensor.data_ptr() != kv_buffer.data_ptr():
                 raise ValueError("kv_buffer must be shm_pool.tensor for the same-host path")
             layout = dataclasses.replace(layout, shm_name=shm_pool.name, probe_token=shm_pool.probe_token)
         elif probe_token:
             layout = dataclasses.replace(layout, probe_token=probe_token)
-        if kv_buffer.is_cuda:  # the GPU same-host path: peers on this machine map the pool by handle
-            layout = dataclasses.replace(layout, device_uuid=cuda_ipc.device_uuid(kv_buffer.device),
-                                         cuda_ipc=cuda_ipc.export_pool(kv_buffer))
+        layout = cuda_ipc.advertise(layout, kv_buffer)  # the GPU same-host path: peers map the pool by handle
         self.node_id = node_id
         self.layout = layout
         self.kv_buffer = kv_buffer
         self.lease_s = lease_s  # what the node puts in KVReady.lease_s
-        self.on_error: Callable[[str, str], None] | None = None
+        self.on_error = on_error  # (request_id, message): a hand-off failed after send() took it
         self.num_pulls_served = 0
         self.num_bytes_sent = 0
         self._release_cb = release
         self._curve = curve  # CURVE client keys for the connections to decode nodes
         self._leases = LeaseTable(self._released, lease_s, clock)
-        self._requests: dict[str, tuple[_Peer, KVReady]] = {}
-        self._peers: dict[tuple[str, str], _Peer] = {}  # (decode node id, kv addr) → peer
+        self._requests: dict[str, tuple[_DecodePeer, KVReady]] = {}
+        self._peers: dict[tuple[str, str], _DecodePeer] = {}  # (decode node id, kv addr) → peer
         self._poller = zmq.Poller()
         # A fresh identity per sender instance: a restarted prefill node is a new peer to the decode
         # node (new handshake), while a TCP reconnect of this one keeps its identity.
         self._identity = f"{node_id}/{secrets.token_hex(4)}".encode()
-        self._fault: tuple[str, int] | None = None  # see inject_fault
-        self._num_pulls = 0
-
-    def inject_fault(self, spec: str) -> None:
-        """Fault injection for tests and chaos runs: "drop:N" answers every Nth pull with nothing
-        (the decode node times out), "corrupt:N" sends every Nth payload one byte short (the
-        decode node refuses it). Either way the decode node gives up and the router retries."""
-        kind, _, every = spec.partition(":")
-        if kind not in ("drop", "corrupt") or not every.isdigit() or int(every) < 1:
-            raise ValueError(f"bad fault spec {spec!r}: expected drop:N or corrupt:N")
-        self._fault = (kind, int(every))
+        self._faults = faults
 
     # ---- the node's calls ---------------------------------------------------------------
     def send(self, decode_node_id: str, decode_kv_addr: str, ready: KVReady) -> None:
         """Hand a request's blocks to a decode node. From here on the blocks are ours until we call
         release(request_id). Raises ValueError (taking no ownership) for a malformed `ready`."""
-        self._check_ready(ready)
+        if ready.request_id in self._requests:
+            raise ValueError(f"request {ready.request_id!r} is already handed off")
+        error = ready_error(ready, self.layout)
+        if error is not None:
+            raise ValueError(error)
         try:
             peer = self._peer(decode_node_id, decode_kv_addr)
         except zmq.ZMQError as e:  # a bad address from the router: the hand-off fails, we still own the blocks
@@ -159,33 +165,23 @@ class KVSender:
             self._drop_peer(peer)
 
     # ---- peers ----------------------------------------------------------------------------
-    def _check_ready(self, ready: KVReady) -> None:
-        if ready.request_id in self._requests:
-            raise ValueError(f"request {ready.request_id!r} is already handed off")
-        if ready.block_size != self.layout.block_size:
-            raise ValueError(f"KVReady block_size {ready.block_size} != pool block_size {self.layout.block_size}")
-        if ready.num_tokens <= 0 or ready.num_tokens > len(ready.block_ids) * ready.block_size:
-            raise ValueError(f"{len(ready.block_ids)} blocks cannot hold {ready.num_tokens} tokens")
-        if any(not 0 <= b < self.layout.num_blocks for b in ready.block_ids):
-            raise ValueError(f"block ids out of range [0, {self.layout.num_blocks})")
-
-    def _peer(self, decode_node_id: str, addr: str) -> _Peer:
+    def _peer(self, decode_node_id: str, addr: str) -> _DecodePeer:
         peer = self._peers.get((decode_node_id, addr))
         if peer is None:
             sock = make_socket(zmq.DEALER, connect=addr, identity=self._identity, max_msg_bytes=CONTROL_MAX_BYTES,
                                curve=self._curve)
-            peer = _Peer(decode_node_id, addr, sock)
+            peer = _DecodePeer(decode_node_id, addr, sock)
             self._peers[(decode_node_id, addr)] = peer
             self._poller.register(sock, zmq.POLLIN)
             self._send(peer, Handshake(self.node_id, self.layout))
         return peer
 
-    def _drop_peer(self, peer: _Peer) -> None:
+    def _drop_peer(self, peer: _DecodePeer) -> None:
         self._poller.unregister(peer.sock)
         peer.sock.close(0)
         self._peers.pop((peer.node_id, peer.addr), None)
 
-    def _send(self, peer: _Peer, msg: Message, *frames) -> bool:
+    def _send(self, peer: _DecodePeer, msg: Message, *frames) -> bool:
         try:
             send_msg(peer.sock, msg, *frames)
             return True
@@ -215,7 +211,7 @@ class KVSender:
             else:
                 log.warning("dropped an unexpected %s from decode node %s", msg.TYPE, peer.node_id)
 
-    def _on_ack(self, peer: _Peer, ack: HandshakeAck) -> None:
+    def _on_ack(self, peer: _DecodePeer, ack: HandshakeAck) -> None:
         if ack.ok:
             peer.acked, peer.same_host = True, ack.same_host
             log.info("decode node %s accepted our KV (%s)", peer.node_id, "same host" if ack.same_host else "zmq")
@@ -226,7 +222,7 @@ class KVSender:
         for request_id in list(peer.request_ids):
             self._fail(request_id, error)
 
-    def _on_pull(self, peer: _Peer, request_id: str) -> None:
+    def _on_pull(self, peer: _DecodePeer, request_id: str) -> None:
         if not self._holds(peer, request_id):
             self._send(peer, KVData(request_id, ok=False,
                                     error=f"prefill node {self.node_id} no longer holds the request "
@@ -237,24 +233,26 @@ class KVSender:
         payload = gather_tokens(self.kv_buffer, ready.block_ids, ready.num_tokens)
         header = KVData(request_id, ok=True, dtype=self.layout.dtype, shape=list(payload.shape))
         frame = tensor_to_frame(payload)
-        self._num_pulls += 1
-        if self._fault is not None and self._num_pulls % self._fault[1] == 0:
-            log.warning("injected fault: %s the KV of %s", self._fault[0], request_id)
-            if self._fault[0] == "drop":
+        if self._faults is not None:
+            spoiled = self._faults.spoil_payload(frame)
+            if spoiled is not frame:  # the faults object logs the injection; this names the request
+                log.info("fault injection %s the KV payload of %s", "dropped" if spoiled is None else "altered",
+                         request_id)
+            if spoiled is None:
                 return
-            frame = memoryview(frame).cast("B")[:-1]
+            frame = spoiled
         if self._send(peer, header, frame):
             self.num_pulls_served += 1
             self.num_bytes_sent += payload.numel() * payload.element_size()
 
-    def _on_done(self, peer: _Peer, done: KVDone) -> None:
+    def _on_done(self, peer: _DecodePeer, done: KVDone) -> None:
         if not self._holds(peer, done.request_id):
             return  # already released (expired, aborted): never twice
         if not done.ok:
             log.info("decode node %s gave up on %s: %s", peer.node_id, done.request_id, done.error)
         self._leases.release(done.request_id)
 
-    def _holds(self, peer: _Peer, request_id: str) -> bool:
+    def _holds(self, peer: _DecodePeer, request_id: str) -> bool:
         entry = self._requests.get(request_id)
         return entry is not None and entry[0] is peer
 

@@ -10,6 +10,9 @@ Segment name: ``pdserve-<prefix>-<pidns>-<pid>-<nonce>`` where pidns is the inod
 pid namespace, so `cleanup_stale_segments` only judges pids it can actually see. The owner
 unlinks the segment on `close()` and at exit; a node killed with -9 leaves it behind for the next
 start's cleanup. Mappings that are open stay valid after an unlink.
+
+`SharedMemoryTransport` ("shm") is the receiver's side of this path (kvtransfer.transport): its
+probe is `open_peer_pool`, and a transfer is one pool-to-pool copy out of the mapped segment.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import secrets
 
 import torch
 
+from pdserve.kvtransfer.layout import layout_shape
 from pdserve.kvtransfer.messages import KVLayout
 from pdserve.kvtransfer.payload import DTYPES, dtype_name
+from pdserve.kvtransfer.transport import PeerPoolCopy, Send
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +114,6 @@ class SharedKVPool:
         self.close()
 
 
-def layout_shape(layout: KVLayout) -> tuple[int, ...]:
-    return (layout.num_layers, 2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-
-
 def open_peer_pool(layout: KVLayout, probe_token: str) -> torch.Tensor | None:
     """Map a peer's pool if its segment is here, has the size `layout` implies, and carries
     `probe_token`; else None (never raises for a missing, foreign or mismatched segment)."""
@@ -139,6 +140,15 @@ def open_peer_pool(layout: KVLayout, probe_token: str) -> torch.Tensor | None:
         return None
     raw = torch.frombuffer(mem, dtype=torch.uint8)
     return raw[:nbytes].view(dtype).view(shape)
+
+
+class SharedMemoryTransport(PeerPoolCopy):
+    """Same host, CPU pools: the handle is the peer's pool mapped from its segment."""
+
+    name = "shm"
+
+    def open(self, peer_layout: KVLayout, send: Send) -> torch.Tensor | None:
+        return open_peer_pool(peer_layout, peer_layout.probe_token)
 
 
 # Map every page at once: the pool is resident from the start, like a private pool (torch.zeros

@@ -28,19 +28,35 @@ def context() -> zmq.Context:
 
 def make_socket(kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, max_msg_bytes: int = CONTROL_MAX_BYTES,
-                hwm: int = DEFAULT_HWM, curve: CurveKeys | None = None, ctx: zmq.Context | None = None) -> zmq.Socket:
+                hwm: int | None = DEFAULT_HWM, curve: CurveKeys | None = None, ctx: zmq.Context | None = None,
+                send_hwm: int | None = None) -> zmq.Socket:
     """A socket with LINGER 0 and a bounded inbound frame size (a peer that sends a bigger frame is
     disconnected by libzmq). ``bind="tcp://127.0.0.1:0"`` picks a free port: see `endpoint`.
-    With `curve` it binds as a CURVE server (the process's ZAP authenticator started first) or
+    `hwm` bounds the queues both ways (None: libzmq's default, 1000 messages); `send_hwm`, when
+    given, overrides the send side alone. A ROUTER is MANDATORY (a send to an unknown peer raises)
+    and HANDOVER (a reconnecting peer takes its identity back).
+    With `curve` it binds as a CURVE server (the context's ZAP authenticator started first) or
     connects as a CURVE client; it must then do one of the two, not both. `ctx` defaults to the
-    process-wide context (pass a `zmq.asyncio.Context` for an asyncio socket)."""
+    process-wide context (pass a `zmq.asyncio.Context` for an asyncio socket).
+
+    Every socket of the project comes from here, e.g.
+        the router's control socket: make_socket(zmq.ROUTER, bind=addr, ctx=asyncio_ctx, curve=keys,
+                                                 max_msg_bytes=MAX_MESSAGE_BYTES + (64 << 10), hwm=None)
+        a node's link to it:         make_socket(zmq.DEALER, connect=addr, identity=node_id.encode(),
+                                                 hwm=None, send_hwm=100_000, curve=keys)
+        a decode node's KV socket:   make_socket(zmq.ROUTER, bind=addr, max_msg_bytes=KV_MAX_BYTES, curve=keys)
+        a prefill node's KV link:    make_socket(zmq.DEALER, connect=kv_addr, identity=..., curve=keys)
+    """
     if curve is not None and (bind is None) == (connect is None):
         raise ValueError("a CURVE socket either binds (server) or connects (client)")
     sock = (ctx or context()).socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
-    sock.setsockopt(zmq.SNDHWM, hwm)
-    sock.setsockopt(zmq.RCVHWM, hwm)
+    if hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+    if send_hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:

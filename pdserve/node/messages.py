@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from pdserve.engine.dtypes import dtype_name
 from pdserve.kvtransfer.messages import KVLayout, Register, Token
 from pdserve.node.router_link import host_id
 
@@ -19,7 +20,7 @@ def token_event(request) -> Token:
 def kv_layout(engine, served_model_name: str, **extra) -> KVLayout:
     """What this node's KV pool holds, for the handshake."""
     mc = engine.model_config
-    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
+    dtype = dtype_name(engine.config.torch_dtype)
     return KVLayout(model=served_model_name, dtype=dtype, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
                     head_dim=mc.head_dim, block_size=engine.config.block_size,
                     num_blocks=engine.block_manager.num_blocks, **extra)

@@ -1,4 +1,5 @@
-"""A node's Prometheus metrics, served at GET /metrics on its status port (`StatusServer`).
+"""A node's Prometheus metrics, served at GET /metrics on its status port (`StatusServer`); the
+same snapshots feed the periodic stats line (node.stats).
 
 Most of them are read from the node's state when Prometheus scrapes (`NodeSnapshot`, taken by the
 node's `metrics_snapshot()` in the status thread), so the engine loop pays nothing per step. The
@@ -26,7 +27,7 @@ class NodeSnapshot:
     """A node's numbers at one instant (counters are totals since the node started)."""
 
     num_running: int
-    num_waiting: int  # decode: includes requests whose KV is announced but has no blocks yet
+    num_waiting: int  # decode: includes requests waiting for remote KV (announced, no blocks yet)
     num_blocks_used: int
     num_blocks_total: int
     num_prefix_queries: int  # prompt tokens looked up in the prefix cache
@@ -37,15 +38,20 @@ class NodeSnapshot:
     num_leases: int = 0  # prefill: requests whose blocks are pinned for a decode node
     num_shm_transfers: int = 0  # decode: transfers done by a same-host copy
     num_zmq_transfers: int = 0  # decode: transfers pulled over ZMQ
+    num_prompt_tokens: int = 0  # prompt positions whose KV a forward computed here (prefix hits excluded)
+    num_generation_tokens: int = 0  # tokens sampled here
 
 
 def engine_snapshot(engine, **transfer) -> NodeSnapshot:
     """The engine's part of a snapshot; `transfer` adds the node's KV hand-off counters."""
     sched, bm = engine.scheduler, engine.block_manager
     return NodeSnapshot(
-        num_running=len(sched.running), num_waiting=len(sched.waiting), num_blocks_used=bm.num_used_blocks,
+        num_running=len(sched.running), num_waiting=len(sched.waiting) + sched.num_waiting_for_kv,
+        num_blocks_used=bm.num_used_blocks,
         num_blocks_total=bm.num_blocks, num_prefix_queries=bm.num_prefix_queries,
-        num_prefix_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions, **transfer)
+        num_prefix_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions,
+        num_prompt_tokens=sched.num_prompt_tokens_computed, num_generation_tokens=sched.num_tokens_sampled,
+        **transfer)
 
 
 class NodeMetrics:

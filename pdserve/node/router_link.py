@@ -1,16 +1,14 @@
 """A node's link to the router: one DEALER socket (identity = node id), registration,
-heartbeats, and a non-blocking receive for the node's loop. Also the small HTTP endpoint every
-node serves (status, metrics, health) and the address a node advertises for its endpoints."""
+heartbeats, and a non-blocking receive for the node's loop. Also the addresses a node
+advertises for its endpoints."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import zmq
 
@@ -24,6 +22,7 @@ from pdserve.kvtransfer.messages import (
     Reregister,
     decode,
 )
+from pdserve.kvtransfer.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +56,10 @@ class RouterLink:
         self.registered = False
 
     def _socket(self, identity: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, identity.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, self.SEND_HWM)
-        if self.curve is not None:
-            from pdserve.kvtransfer.curve import apply_client
-
-            apply_client(sock, self.curve)
-        sock.connect(self.router_addr)
-        return sock
+        # The receive side keeps libzmq's default queue (hwm=None); only sends may pile up.
+        return make_socket(zmq.DEALER, connect=self.router_addr, identity=identity.encode(),
+                           max_msg_bytes=MAX_MESSAGE_BYTES, hwm=None, send_hwm=self.SEND_HWM, curve=self.curve,
+                           ctx=self.ctx)
 
     def send(self, msg: Message) -> bool:
         """Queue `msg` for the router; False (and the message dropped) when its queue is full."""
@@ -141,63 +133,6 @@ class RouterLink:
         self.sock.close(linger=0)
 
 
-class StatusServer:
-    """A node's small HTTP endpoint, in a daemon thread:
-
-        GET /status   JSON from `status_fn()` (`{"ready": false}` until the node sets one)
-        GET /metrics  Prometheus text from `metrics_fn()` (404 until the node sets one)
-        GET /health   200 once `ready` is set (model loaded and warmed up), else 503
-
-    It starts before the model loads, so a container health check sees "not ready" rather than a
-    refused connection; the node fills in `status_fn`/`metrics_fn` and sets `ready` later.
-    `url` names `advertise_host` (default: the bind host) so peers on other machines can reach it."""
-
-    def __init__(self, host: str, port: int, status: Callable[[], dict] | None = None, *,
-                 metrics: Callable[[], bytes] | None = None, advertise_host: str | None = None,
-                 ready: bool = True) -> None:
-        self.status_fn = status or (lambda: {"ready": False})
-        self.metrics_fn = metrics
-        self.ready = ready
-        self.server = ThreadingHTTPServer((host, port), self._handler_class())
-        self.url = f"http://{advertise_host or host}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="status-http")
-        self.thread.start()
-
-    def respond(self, path: str) -> tuple[int, str, bytes]:
-        """(status code, content type, body) for a GET of `path`."""
-        if path.startswith("/status"):
-            return 200, "application/json", json.dumps(self.status_fn()).encode()
-        if path.startswith("/metrics") and self.metrics_fn is not None:
-            from pdserve.node.metrics import CONTENT_TYPE
-
-            return 200, CONTENT_TYPE, self.metrics_fn()
-        if path.startswith("/health"):
-            return (200, "application/json", b'{"status": "ok"}') if self.ready else \
-                (503, "application/json", b'{"status": "loading"}')
-        return 404, "application/json", b'{"error": "not found"}'
-
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                code, content_type, body = server.respond(self.path)
-                self.send_response(code)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        return Handler
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def advertise_host(bind_host: str, advertise: str | None = None) -> str:
     """The host peers should use to reach this node's endpoints: `advertise` when given; else the
     bind host, except that a wildcard bind (0.0.0.0, e.g. in a container) advertises this
@@ -223,23 +158,3 @@ def host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}:{boot}"
-
-
-def serve_node(node, link: RouterLink, *, stop_flag: list[bool], drain_timeout_s: float = 20.0) -> None:
-    """A node's life: register, loop until asked to stop, then drain: heartbeats say "not ready"
-    so the router sends nothing new, the node finishes what it holds (for at most
-    `drain_timeout_s`), then deregisters (the router re-dispatches anything left) and returns.
-    `stop_flag[0]` is set by the caller's SIGTERM/SIGINT handler (sockets are only touched from
-    this loop)."""
-    link.register()
-    drain_deadline = None
-    while True:
-        node.run_once()
-        if stop_flag[0]:
-            if drain_deadline is None:
-                node.draining = True
-                drain_deadline = time.monotonic() + drain_timeout_s
-                logger.info("%s draining", link.register_msg.node_id)
-            if node.is_idle() or time.monotonic() > drain_deadline:
-                link.deregister()
-                return

@@ -1,1 +1,1 @@
-"""pdserve.prefill: built in a later issue (see the README)."""
+"""pdserve.prefill: the prefill node (admit prompts, prefill, first token, KV hand-off under a lease) and its process."""

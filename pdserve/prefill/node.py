@@ -20,6 +20,8 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
@@ -35,30 +37,40 @@ from pdserve.kvtransfer.messages import (
     Token,
     TokenBatch,
 )
+from pdserve.node.faults import FaultInjection
 from pdserve.node.messages import token_event
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.router_link import RouterLink
 
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.sender import KVSender
+
 logger = logging.getLogger(__name__)
 
 
+# make_sender(release, on_error) -> KVSender: release(request_id) frees a handed-off request's
+# blocks (the sender's lease table calls it once); on_error(request_id, message) reports a failed hand-off.
+SenderFactory = Callable[[Callable[[str], None], Callable[[str, str], None]], "KVSender"]
+
+
 class PrefillNode:
-    def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill", sender=None,
-                 max_queue_len: int = 1024, step_delay_s: float = 0.0,
-                 metrics: NodeMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill",
+                 make_sender: SenderFactory | None = None, max_queue_len: int = 1024,
+                 faults: FaultInjection | None = None, metrics: NodeMetrics | None = None) -> None:
         self.engine = engine
         self.link = link
         self.role = role  # "prefill", or "both" for the colocated comparison mode
-        self.sender = sender  # KVSender (None when colocated only)
         self.node_id = link.register_msg.node_id
         self.handoffs: dict[str, PrefillRequest] = {}  # request id → where its KV goes
         self.colocated: set[str] = set()
         self.timings: deque[dict] = deque(maxlen=1024)  # recent per-request timestamps (status endpoint)
         self.draining = False
-        self.step_delay_s = step_delay_s  # test knob: a slower device (sleeps before each engine step)
+        self.faults = faults  # tests and chaos runs only
         self.max_queue_len = max_queue_len  # requests waiting to be scheduled; past it, new ones are refused
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, role)
         self.metrics.watch(self.metrics_snapshot)
+        # KVSender (None when colocated only); it calls back into this node, so it is made here, last.
+        self.sender = make_sender(self._release, self._handoff_failed) if make_sender is not None else None
 
     # ---- the loop ---------------------------------------------------------------------------
     def run_once(self) -> None:
@@ -107,8 +119,8 @@ class PrefillNode:
 
     # ---- one engine step --------------------------------------------------------------------
     def _step(self) -> None:
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
+        if self.faults is not None:
+            self.faults.delay_step()
         stepped = self.engine.step_requests()
         tokens: list[Token] = []
         for request in stepped:

@@ -1,17 +1,24 @@
 """pdserve.router: the OpenAI-compatible HTTP API, the node registry and the (prefill, decode) routing.
 
-    router.py            Router: control socket, registry, dispatch, token flow, aborts
+    router.py            Router: the facade app.py and the tests hold; lifecycle, dispatch, token
+                         flow, failures and aborts (its parts below)
+    control.py           the ZMQ control socket nodes connect to: receive loop and sends
+    handlers.py          one handler per node message (Register, Heartbeat, ..., Error)
+    redispatch.py        re-dispatch of a request whose node died, parking until a node is ready
+    monitor.py           periodic checks: heartbeat expiry, request deadlines, lost requests
     registry.py          live nodes and the routing policies
-    request_state.py     one request's states, timing and token re-sequencing
-    openai_protocol.py   request validation → SamplingParams; OpenAI error bodies
+    request_state.py     one request's states (RouterRequestStatus), timing, token re-sequencing
+    openai_protocol.py   request validation → SamplingParams
+    openai_errors.py     OpenAI error bodies and ProtocolError
     openai_responses.py  response bodies and stream chunks
     openapi.py           the OpenAPI 3.1 description served at GET /openapi.json
     metrics.py           Prometheus metrics (GET /metrics): TTFT and its stages, TPOT, ITL, counts
     app.py               aiohttp routes (create_app)
+    access_log.py        the HTTP access log, with /health and /metrics polls at DEBUG
     cli.py               main(argv): `pdserve router` / `python -m router`
-    launcher.py          `pdserve serve`: router + nodes as supervised local processes
-"""
 
+`pdserve serve` (router + nodes as supervised local processes) is pdserve/cli/serve.py.
+"""
 __all__ = ["Router", "create_app", "main"]
 
 

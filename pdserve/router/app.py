@@ -3,7 +3,8 @@
     POST /v1/completions        text completion, SSE when "stream": true
     POST /v1/chat/completions   chat through the tokenizer's chat template
     GET  /v1/models             the served model
-    GET  /health                200 while a ready prefill-capable and decode-capable node are registered
+    GET  /health                200 while a ready prefill-capable and decode-capable node are registered,
+                                else 503; both carry the router's instance id (see create_app)
     GET  /nodes                 the live nodes, their load and status URLs
     GET  /metrics               Prometheus text format (router/metrics.py)
     GET  /openapi.json          the OpenAPI description of all of these (router/openapi.py)
@@ -28,12 +29,13 @@ import json
 import logging
 import math
 import time
+import uuid
 
 from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
-from pdserve.router.openai_protocol import ProtocolError, error_body
+from pdserve.router.openai_errors import ProtocolError, error_body
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
 from pdserve.router.openapi import openapi_spec
 from pdserve.router.registry import node_summary
@@ -45,18 +47,22 @@ logger = logging.getLogger(__name__)
 ROUTER_KEY = web.AppKey("router", Router)
 CREATED_KEY = web.AppKey("created", int)  # for /v1/models
 API_KEY_KEY = web.AppKey("api_key", bytes)
+INSTANCE_ID_KEY = web.AppKey("instance_id", str)  # for /health
 MAX_BODY_BYTES = 64 << 20  # token-id prompts are verbose JSON
 DISCONNECT_POLL_S = 0.5  # how often a handler waiting for tokens checks that its client is still there
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # no API key needed (probes, scrapers, docs)
 
 
-def create_app(router: Router, *, api_key: str | None = None) -> web.Application:
+def create_app(router: Router, *, api_key: str | None = None, instance_id: str | None = None) -> web.Application:
     """The HTTP app; the caller owns `router` (start it before serving, close it after). With
-    `api_key`, requests outside OPEN_PATHS must send it as a bearer token."""
+    `api_key`, requests outside OPEN_PATHS must send it as a bearer token. GET /health answers
+    `instance_id` (default: a random uuid4 hex), so that whoever started this router (the
+    launcher, `pdserve serve`) can tell it from another process on the same port."""
     middlewares = [_openai_errors] + ([_check_api_key] if api_key else [])
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[ROUTER_KEY] = router
     app[CREATED_KEY] = int(time.time())
+    app[INSTANCE_ID_KEY] = instance_id or uuid.uuid4().hex
     if api_key:
         app[API_KEY_KEY] = api_key.encode()
     app.router.add_post("/v1/completions", _completions)
@@ -123,9 +129,11 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    instance_id = request.app[INSTANCE_ID_KEY]
     if request.app[ROUTER_KEY].is_healthy():
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "no ready prefill and decode nodes"}, status=503)
+        return web.json_response({"status": "ok", "instance_id": instance_id})
+    return web.json_response({"status": "no ready prefill and decode nodes", "instance_id": instance_id},
+                             status=503)
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:

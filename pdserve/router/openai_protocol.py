@@ -3,22 +3,35 @@
 Every check that can fail a request with a 4xx happens here, before any node is involved:
 the JSON shape, the types (nested ones too: `stream_options`, `messages[*]`, `stop`,
 `stop_token_ids`), the value ranges (integers must fit the wire's int64; SamplingParams's own
-messages for the rest), the model name, the prompt (empty, too long for the nodes' max_model_len,
-token ids outside the vocabulary), and OpenAI parameters pdserve does not implement, which are
-accepted only at their neutral value. Unknown fields are ignored, as OpenAI-compatible servers do.
+messages for the rest), the model name, the chat roles, the prompt (empty, too long for the
+nodes' max_model_len, token ids outside the vocabulary), a max_tokens the context cannot hold, and
+OpenAI parameters pdserve does not implement, which are accepted only at their neutral value.
+Unknown fields are ignored, as vLLM does, and logged at WARNING once per field name per process.
 router/openapi.py describes the same fields; a test keeps the two in step.
+
+max_tokens and the context (as vLLM): with max_model_len known (a ready node declared it),
+
+    |<------------------------- max_model_len ------------------------->|
+    |<----- prompt_len ----->|<------------- room --------------------->|
+
+an explicit max_tokens (or max_completion_tokens) larger than `room` is a 400; without one the
+default (16 for completions; the whole room for chat) is clamped to `room`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
-import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.openai_errors import ProtocolError
+from pdserve.router.openai_errors import short as _short
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat has no default limit; used when no node declared max_model_len
@@ -27,18 +40,9 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # msgpack (the wire) and vLLM'
 # SamplingParams takes any repetition_penalty > 0, but far from 1 the float32 sampler turns logits
 # into inf and NaN (x / 1e-40, 0 * 1e39) and fails the whole batch; typical values are 0.5 to 2.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
-MAX_MESSAGE_CHARS = 500  # a refused value is quoted in the error message up to this length
 
-# The `type` of an error body, by HTTP status: the openai client's exception class names (the
-# convention vLLM follows; OpenAI itself sends snake_case types).
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-                404: "NotFoundError", 405: "MethodNotAllowedError", 409: "ConflictError",
-                413: "RequestEntityTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
-                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = MAX_MESSAGE_CHARS
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object", list: "array"}
 
 
@@ -65,28 +69,14 @@ _NEUTRAL_CHAT = {**_NEUTRAL_COMMON, "tools": _only([]), "functions": _only([]), 
                  "response_format": _only({"type": "text"}), "modalities": _only(["text"]),
                  "audio": _only(), "prediction": _only()}
 
-
-class ProtocolError(Exception):
-    """A request the router refuses; `body()` is the OpenAI error body, `status` the HTTP status,
-    `headers` extra response headers (Retry-After on a 429, WWW-Authenticate on a 401)."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param = message, status, param
-        self.type = type or error_type(status)
-        self.headers = headers
-
-    def body(self) -> dict:
-        return error_body(self.message, self.status, param=self.param, type=self.type)
-
-
-def error_type(status: int) -> str:
-    return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-
-
-def error_body(message: str, status: int, *, param: str | None = None, type: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type or error_type(status), "param": param, "code": status}}
+# Every field the parsers read (router/openapi.py describes exactly these); others are logged.
+_COMMON_FIELDS = ("model", "max_tokens", "logprobs", "stream", "stream_options", "return_token_ids",
+                  *_SAMPLING_FIELDS)
+COMPLETION_FIELDS = frozenset({"prompt", *_COMMON_FIELDS, *_NEUTRAL_COMPLETION})
+CHAT_FIELDS = frozenset({"messages", "max_completion_tokens", "top_logprobs", *_COMMON_FIELDS, *_NEUTRAL_CHAT})
+# OpenAI's roles; "function" is the deprecated form of "tool" (pdserve accepts `functions: []`).
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+MAX_LOGGED_UNKNOWN_FIELDS = 1000  # distinct names; a client sending random keys must not grow the set forever
 
 
 @dataclass
@@ -102,9 +92,11 @@ class ParsedRequest:
 
 def parse_completion(body: Any, tokenizer, model_name: str, max_model_len: int | None) -> ParsedRequest:
     body = _check_common(body, model_name, _NEUTRAL_COMPLETION)
+    _unknown_fields.note("/v1/completions", body, COMPLETION_FIELDS)
     prompt_token_ids = _prompt_ids(body.get("prompt"), tokenizer)
     _check_prompt(prompt_token_ids, tokenizer, max_model_len)
-    max_tokens = _opt_int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, lo=1)
+    max_tokens = _fit_context(_opt_int(body, "max_tokens", None, lo=1), DEFAULT_COMPLETION_MAX_TOKENS,
+                              len(prompt_token_ids), max_model_len)
     logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     sampling = _sampling(body, max_tokens, logprobs)
     return ParsedRequest("completion", prompt_token_ids, sampling, *_stream(body), logprobs,
@@ -113,12 +105,14 @@ def parse_completion(body: Any, tokenizer, model_name: str, max_model_len: int |
 
 def parse_chat(body: Any, tokenizer, model_name: str, max_model_len: int | None) -> ParsedRequest:
     body = _check_common(body, model_name, _NEUTRAL_CHAT)
+    _unknown_fields.note("/v1/chat/completions", body, CHAT_FIELDS)
     prompt_token_ids = _chat_prompt_ids(body.get("messages"), tokenizer)
     _check_prompt(prompt_token_ids, tokenizer, max_model_len)
-    default = max_model_len - len(prompt_token_ids) if max_model_len else DEFAULT_CHAT_MAX_TOKENS
     max_tokens = _opt_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", default, lo=1)
+        max_tokens = _opt_int(body, "max_tokens", None, lo=1)
+    default = max_model_len - len(prompt_token_ids) if max_model_len else DEFAULT_CHAT_MAX_TOKENS
+    max_tokens = _fit_context(max_tokens, default, len(prompt_token_ids), max_model_len)
     top_logprobs = None
     if _opt(body, "logprobs", bool, False):
         top_logprobs = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
@@ -140,12 +134,6 @@ def _check_common(body: Any, model_name: str, neutral: dict[str, Callable[[Any],
         if name in body and not is_neutral(body[name]):
             raise ProtocolError(f"{name}={_short(body[name])} is not supported", param=name)
     return body
-
-
-def _short(value: Any) -> str:
-    """A refused value for an error message: bounded in length and depth whatever the client sent."""
-    text = value if isinstance(value, str) else _REPR.repr(value)
-    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
 
 
 def _is_int(v: Any) -> bool:
@@ -225,7 +213,7 @@ def _prompt_ids(prompt: Any, tokenizer) -> list[int]:
 def _chat_prompt_ids(messages: Any, tokenizer) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list", param="messages")
-    plain = [_plain_message(m) for m in messages]
+    plain = [_plain_message(i, m) for i, m in enumerate(messages)]
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # jinja errors, a tokenizer without a chat template, ...
@@ -235,11 +223,14 @@ def _chat_prompt_ids(messages: Any, tokenizer) -> list[int]:
     return list(ids)
 
 
-def _plain_message(message: Any) -> dict:
+def _plain_message(index: int, message: Any) -> dict:
     """One message as the template expects it: role, content as a plain string, and name if given.
     Other keys (tool_calls, ...) are dropped: pdserve refuses tools, so they have no meaning here."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ProtocolError("each message must be an object with a string role", param="messages")
+    if message["role"] not in CHAT_ROLES:
+        raise ProtocolError(f"messages[{index}].role must be one of {', '.join(map(repr, CHAT_ROLES))}; "
+                            f"got {_short(repr(message['role']))}", param="messages")
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -267,3 +258,43 @@ def _check_prompt(ids: list[int], tokenizer, max_model_len: int | None) -> None:
     if max_model_len is not None and len(ids) + 1 > max_model_len:
         raise ProtocolError(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
                             f"{len(ids)} tokens and needs room for at least one output token", param="prompt")
+
+
+def _fit_context(max_tokens: int | None, default: int, prompt_len: int, max_model_len: int | None) -> int:
+    """The request's max_tokens: the client's (`max_tokens`, a 400 when the context cannot hold it, in
+    vLLM's words), else `default` clamped to the room the prompt leaves. Without max_model_len
+    (no ready node declared one) nothing is checked."""
+    if max_model_len is None:
+        return default if max_tokens is None else max_tokens
+    room = max_model_len - prompt_len  # >= 1: _check_prompt ran
+    if max_tokens is None:
+        return min(default, room)
+    if max_tokens > room:
+        raise ProtocolError(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                            "completion.", param="max_tokens")
+    return max_tokens
+
+
+class _UnknownFieldLog:
+    """Logs the request fields no parser reads, once per field name per process: a client that
+    sends the same typo with every request gets one WARNING, not one per request. At most
+    `limit` names are remembered; past that, new names are no longer logged."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.logged: set[str] = set()
+
+    def note(self, endpoint: str, body: dict, known: frozenset[str]) -> None:
+        new = sorted(k for k in body if k not in known and k not in self.logged)
+        if not new or len(self.logged) >= self.limit:
+            return
+        new = new[: self.limit - len(self.logged)]
+        self.logged.update(new)
+        logger.warning("%s: ignoring unknown request field(s) %s (each logged once)%s", endpoint,
+                       ", ".join(_short(repr(k)) for k in new),
+                       "; no further unknown field names will be logged" if len(self.logged) >= self.limit else "")
+
+
+_unknown_fields = _UnknownFieldLog(MAX_LOGGED_UNKNOWN_FIELDS)

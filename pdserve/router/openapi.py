@@ -3,6 +3,7 @@
 Written by hand and kept small: the request schemas list every field router/openai_protocol.py
 reads, with the types and ranges it enforces (a test checks the two agree, and the fuzz test
 builds its requests from these schemas). Every optional field also takes null, meaning "absent".
+Fields outside these schemas are ignored (and logged once per name).
 OpenAI parameters pdserve does not implement appear with the one neutral value it accepts.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.router.openai_protocol import (
+    CHAT_ROLES,
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,
@@ -80,7 +82,7 @@ _COMPLETION: dict[str, Schema] = {
 _TEXT_PART: Schema = {"type": "object", "required": ["type", "text"],
                       "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _MESSAGE: Schema = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string"},
+    "role": {"enum": list(CHAT_ROLES)},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
     "name": _nullable({"type": "string"})}}
 _CHAT: dict[str, Schema] = {
@@ -145,7 +147,8 @@ def _generate(summary: str, request: str, response: str, chunk: str) -> dict:
                                    "come as a `data:` line holding an error body)",
                     "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{response}"}},
                                 "text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk}"}}}},
-            "400": _error("invalid parameters, or a prompt too long for max_model_len"),
+            "400": _error("invalid parameters, a prompt too long for max_model_len, or a max_tokens that "
+                          "does not fit in max_model_len with the prompt"),
             "401": _error("missing or wrong API key (only when the router has one)"),
             "404": _error("unknown model name"),
             "413": _error("body larger than the router accepts"),
@@ -170,6 +173,10 @@ _NODE: Schema = {"type": "object", "properties": {
 _MODELS: Schema = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
     "type": "object", "properties": {k: {"type": "string"} for k in ("id", "object", "owned_by", "root")}}}}}
 
+_HEALTH: Schema = {"type": "object", "required": ["status", "instance_id"], "properties": {
+    "status": {"type": "string", "description": "ok, or why not"},
+    "instance_id": {"type": "string", "description": "the router process's id (`pdserve router --instance-id`)"}}}
+
 _SECURED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/nodes")  # all but router/app.py's OPEN_PATHS
 
 
@@ -181,8 +188,8 @@ def openapi_spec(*, with_api_key: bool = False) -> dict:
                                           "ChatCompletion", "ChatCompletionChunk"),
         "/v1/models": _get("The served model", "application/json", _MODELS),
         "/health": _get("200 while a ready prefill-capable and a ready decode-capable node are registered",
-                        "application/json", {"type": "object", "properties": {"status": {"type": "string"}}},
-                        **{"503": {"description": "not healthy"}}),
+                        "application/json", _HEALTH, **{"503": {"description": "not healthy",
+                                                                **_json(_HEALTH)}}),
         "/nodes": _get("The live nodes and their load", "application/json",
                        {"type": "object", "properties": {"nodes": {"type": "array", "items": _NODE}}}),
         "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),

@@ -1,6 +1,6 @@
 """One request's life inside the router: its state, its timing, and the re-sequencing of its tokens.
 
-The states a request passes through (`RequestStatus`):
+The states a request passes through (`RouterRequestStatus`):
 
     WAITING      validated and tokenized; no node chosen yet
     PREFILLING   PrefillRequest sent to the prefill node; waiting for output index 0
@@ -40,7 +40,10 @@ from pdserve.kvtransfer.messages import Token
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM sends this value too
 
 
-class RequestStatus(enum.Enum):
+class RouterRequestStatus(enum.Enum):
+    """Where a request is as the router sees it (the table above); not the engine's RequestStatus
+    (engine/request.py), which tracks one attempt's sequence inside a node."""
+
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
@@ -50,7 +53,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_done(self) -> bool:
-        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.FAILED)
+        return self in (RouterRequestStatus.FINISHED, RouterRequestStatus.ABORTED, RouterRequestStatus.FAILED)
 
 
 @dataclass
@@ -103,7 +106,7 @@ class RouterRequest:
         self.sampling = sampling
         self.tokenizer = tokenizer
         self.deadline = deadline  # monotonic; None = none
-        self.status = RequestStatus.WAITING
+        self.status = RouterRequestStatus.WAITING
         self.prefill_node_id = ""
         self.decode_node_id = ""  # "" when the prefill node decodes it too
         self.timing = RequestTiming()
@@ -149,8 +152,8 @@ class RouterRequest:
 
     def mark_dispatched(self, prefill_node_id: str, decode_node_id: str) -> None:
         self.prefill_node_id, self.decode_node_id = prefill_node_id, decode_node_id
-        if self.status == RequestStatus.WAITING:
-            self.status = RequestStatus.PREFILLING
+        if self.status == RouterRequestStatus.WAITING:
+            self.status = RouterRequestStatus.PREFILLING
         if self.timing.dispatched is None:  # the first attempt's, for the TTFT split
             self.timing.dispatched = time.monotonic()
 
@@ -174,7 +177,7 @@ class RouterRequest:
         final = token.finish_reason is not None
         if not self.output_token_ids:
             self.timing.first_token = now
-            self.status = RequestStatus.DECODING
+            self.status = RouterRequestStatus.DECODING
         self.output_token_ids.append(token.token_id)
         self.timing.token_times.append(now)
         delta.token_ids.append(token.token_id)
@@ -188,7 +191,7 @@ class RouterRequest:
             self._finish(delta, token.finish_reason)
 
     def _finish(self, delta: Delta, reason: str) -> None:
-        self.status, self.finish_reason, delta.finish_reason = RequestStatus.FINISHED, reason, reason
+        self.status, self.finish_reason, delta.finish_reason = RouterRequestStatus.FINISHED, reason, reason
         self.timing.finished = time.monotonic()
 
     def _logprob(self, token: Token) -> TokenLogprob:
@@ -208,7 +211,7 @@ class RouterRequest:
         """End the request with an error; None if it already ended."""
         if self.status.is_done:
             return None
-        self.status = RequestStatus.FAILED
+        self.status = RouterRequestStatus.FAILED
         self.timing.finished = time.monotonic()
         return Delta(error=error)
 
@@ -216,6 +219,6 @@ class RouterRequest:
         """The client is gone; False if the request had already ended."""
         if self.status.is_done:
             return False
-        self.status = RequestStatus.ABORTED
+        self.status = RouterRequestStatus.ABORTED
         self.timing.finished = time.monotonic()
         return True

@@ -2,6 +2,10 @@
 ...) with fixed delays, on its own event loop in a background thread, so both `asyncio.run` in a
 test and the CLI's own `asyncio.run` can talk to it.
 
+Tokens are made one every `itl_s`; the first is sent at once, later ones `tokens_per_chunk` to an
+SSE chunk (as a server whose detokenizer or step batches them does), with their ids under
+`return_token_ids` unless `send_token_ids` is off (a server that only reports usage).
+
 Failure switches, chosen by the prompt so one run can mix good and bad requests:
 - a prompt (token ids or text) that starts with `FAIL_HTTP` (id 7 / text "FAIL") gets HTTP 500;
 - one that starts with `FAIL_STREAM` (id 8 / text "BREAK") gets one token, then an error event.
@@ -27,6 +31,8 @@ class FakeOpenAI:
     ttft_s: float = 0.05  # before the first token
     itl_s: float = 0.02  # between tokens
     send_usage: bool = True  # honour stream_options.include_usage
+    send_token_ids: bool = True  # honour return_token_ids
+    tokens_per_chunk: int = 1  # after the first token, this many tokens per SSE chunk
     bodies: list[dict] = field(default_factory=list)  # every request body received
     port: int = 0
 
@@ -54,10 +60,15 @@ class FakeOpenAI:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         num_tokens = 1 if _starts(prompt, FAIL_STREAM, "BREAK") else body["max_tokens"]
+        pending: list[int] = []
         for i in range(num_tokens):
             await asyncio.sleep(self.ttft_s if i == 0 else self.itl_s)
+            pending.append(i)
             last = i == num_tokens - 1
-            await _send(resp, _chunk(chat, f"t{i}", i, body, "length" if last else None))
+            if i == 0 or last or len(pending) == self.tokens_per_chunk:
+                ids = pending if self.send_token_ids and body.get("return_token_ids") else None
+                await _send(resp, _chunk(chat, "".join(f"t{t}" for t in pending), ids, "length" if last else None))
+                pending = []
         if _starts(prompt, FAIL_STREAM, "BREAK"):
             await _send(resp, {"error": {"message": "node died", "code": 503}})
         elif self.send_usage and (body.get("stream_options") or {}).get("include_usage"):
@@ -76,11 +87,11 @@ def _prompt_len(prompt) -> int:
     return len(prompt) if isinstance(prompt, list) else len(prompt.split())
 
 
-def _chunk(chat: bool, text: str, token_id: int, body: dict, finish: str | None) -> dict:
+def _chunk(chat: bool, text: str, token_ids: list[int] | None, finish: str | None) -> dict:
     choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
     choice["finish_reason"] = finish
-    if body.get("return_token_ids"):
-        choice["token_ids"] = [token_id]
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"choices": [choice]}
 
 

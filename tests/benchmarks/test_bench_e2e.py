@@ -21,24 +21,27 @@ def model_dir(tmp_path):
     return path
 
 
-def bench(capsys, stack_kw: dict, *runs: list[str]) -> tuple[list[int], list[dict], str]:
+def bench(capsys, pytestconfig, stack_kw: dict, *runs: list[str]) -> tuple[list[int], list[dict], str]:
     """Start a stack, run `pdserve bench serve` once per argv (--base-url added), and return the
-    exit codes, every node's status once idle, and the printed output (also shown)."""
-    stack = Stack(**stack_kw)
+    exit codes, every node's status once idle, and the printed output (the assertions show it when
+    they fail; `-s` prints it too)."""
+    # The tiny model needs ~512 bytes of KV a token: a small pool, not the default 2 GB per node.
+    stack = Stack(**{**stack_kw, "extra": ["--kv-cache-memory-gb", "0.1", *stack_kw.get("extra", [])]})
     try:
         codes = [main(["serve", "--base-url", stack.url, *argv]) for argv in runs]
         idle = stack.wait_idle()
     finally:
         stack.close()
     out = capsys.readouterr().out
-    with capsys.disabled():
-        print("\n" + out)
+    if pytestconfig.getoption("capture") == "no":
+        with capsys.disabled():
+            print("\n" + out)
     return codes, idle, out
 
 
-def test_bench_serve_against_a_real_stack(tmp_path, model_dir, capsys):
+def test_bench_serve_against_a_real_stack(tmp_path, model_dir, capsys, pytestconfig):
     codes, idle, out = bench(
-        capsys, {"model": str(model_dir)},
+        capsys, pytestconfig, {"model": str(model_dir)},
         ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "0.25",
          "--random-vocab-size", "256", "--max-concurrency", "4", "--num-warmups", "1", "--return-token-ids",
          "--disable-tqdm", "--goodput", "ttft:60000", "--save-json", str(tmp_path / "r.json"), "--plot", str(tmp_path)],
@@ -58,13 +61,13 @@ def test_bench_serve_against_a_real_stack(tmp_path, model_dir, capsys):
     assert all(s["num_used_blocks"] == 0 for s in idle)
 
 
-def test_bench_serve_chaos_kills_nodes_and_accounts_for_every_request(tmp_path, model_dir, capsys):
+def test_bench_serve_chaos_kills_nodes_and_accounts_for_every_request(tmp_path, model_dir, capsys, pytestconfig):
     """--chaos-interval kills decode nodes mid-run; `pdserve serve` restarts them; every request
     either completes (re-dispatched by the router) or is reported with its error."""
     stack_kw = {"model": str(model_dir), "num_decode": 2, "decode_args": "--step-delay-s 0.05",
                 "extra": ["--router-args", "--heartbeat-timeout 1.5"]}
     codes, idle, out = bench(
-        capsys, stack_kw,
+        capsys, pytestconfig, stack_kw,
         ["--num-prompts", "40", "--random-input-len", "32", "--random-output-len", "48", "--random-vocab-size", "256",
          "--max-concurrency", "16", "--disable-tqdm", "--chaos-interval", "3", "--chaos-roles", "decode",
          "--chaos-max-faults", "2", "--save-json", str(tmp_path / "chaos.json")])

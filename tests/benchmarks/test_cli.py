@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from pdserve.bench.cli import main
 from pdserve.bench.report import SCHEMA
@@ -50,6 +53,23 @@ def test_prints_the_table_and_saves_json(fake, tmp_path, capsys):
     assert [r["request_id"] for r in run_["requests"]] == list(range(6))
     assert all(set(r) == RECORD_KEYS and len(r["itl_s"]) == 3 for r in run_["requests"])
     assert all(b["max_tokens"] == 4 and b["model"] == MODEL for b in fake.bodies)
+
+
+@pytest.mark.parametrize("send_token_ids", [True, False], ids=["token_ids", "usage_only"])
+def test_itl_counts_tokens_when_chunks_carry_several(fake, tmp_path, capsys, send_token_ids):
+    """Four tokens to a chunk: with default flags the mean ITL is the TPOT (per token), not four
+    times it, whether the server returns token ids or only the final usage."""
+    fake.ttft_s, fake.itl_s, fake.tokens_per_chunk, fake.send_token_ids = 0.02, 0.02, 4, send_token_ids
+    out = tmp_path / "itl.json"
+    assert main(["serve", "--base-url", fake.url, "--num-prompts", "4", "--random-input-len", "8",
+                 "--random-output-len", "25", "--max-concurrency", "4", "--disable-tqdm", "--save-json", str(out)]) == 0
+    capsys.readouterr()
+    (run_,) = json.loads(out.read_text())["runs"]
+    summary = run_["summary"]
+    assert summary["total_output_tokens"] == 100
+    assert all(len(r["itl_s"]) == 24 for r in run_["requests"])  # one per token after the first
+    assert summary["mean_itl_ms"] == pytest.approx(summary["mean_tpot_ms"], rel=0.10), summary
+    assert all(b["return_token_ids"] is True for b in fake.bodies)
 
 
 def test_plot_writes_cdf_pngs(fake, tmp_path):
@@ -101,7 +121,13 @@ def test_ctrl_c_prints_the_partial_summary(fake, tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert "prompts=200" in proc.stdout.readline()  # the header: the run is about to start
+    try:  # the header: the run is about to start (bounded, so a child that hangs fails the test)
+        assert select.select([proc.stdout], [], [], 60)[0], "no header within 60 s"
+        assert "prompts=200" in proc.stdout.readline()
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
     time.sleep(1.5)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.bench.client import EndpointConfig, build_body, send_request
+from pdserve.bench.client import EndpointConfig, _StreamState, build_body, send_request, spread_tokens
 from pdserve.bench.datasets import SampleRequest
 from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
 from tests.benchmarks.conftest import run
@@ -42,10 +42,47 @@ def test_ttft_itl_and_usage_are_measured(fake):
 def test_without_usage_counts_token_ids_or_chunks(fake):
     fake.ttft_s = fake.itl_s = 0.0
     fake.send_usage = False
-    with_ids = run(one(config(fake, return_token_ids=True), SampleRequest([11], 1, 4)))
-    assert with_ids.output_len == 4 and fake.bodies[-1]["return_token_ids"] is True
-    chunks = run(one(config(fake), SampleRequest([11], 1, 3)))
+    fake.tokens_per_chunk = 2
+    with_ids = run(one(config(fake), SampleRequest([11], 1, 5)))  # chunks of 1, 2, 2 tokens
+    assert with_ids.output_len == 5 and fake.bodies[-1]["return_token_ids"] is True
+    fake.tokens_per_chunk = 1
+    chunks = run(one(config(fake, return_token_ids=False), SampleRequest([11], 1, 3)))
     assert chunks.output_len == 3 and "return_token_ids" not in fake.bodies[-1]
+
+
+def stream_of(chunks: list[tuple[float, int]], usage: int | None = None, ids: bool = True) -> _StreamState:
+    """A stream whose output chunks arrived at the given times with that many tokens each."""
+    state = _StreamState(0.0)
+    for now, k in chunks:
+        choice = {"text": "x" * k, **({"token_ids": list(range(k))} if ids else {})}
+        state.on_event({"choices": [choice]}, now)
+    if usage is not None:
+        state.on_event({"choices": [], "usage": {"completion_tokens": usage}}, chunks[-1][0])
+    return state
+
+
+def test_a_chunk_of_k_tokens_adds_k_itl_samples():
+    # first token at 1.0, then 4 tokens at 1.4 and 2 at 1.6: eight tokens 0.1 s apart
+    with_ids = stream_of([(1.0, 1), (1.4, 4), (1.6, 2)])
+    assert with_ids.itl() == pytest.approx([0.1] * 6) and with_ids.output_len() == 7
+    # a chunk with text but no ids (the server sent ids elsewhere) passes its gap on to the next
+    state = stream_of([(1.0, 1), (1.2, 2)])
+    state.on_event({"choices": [{"text": "!", "token_ids": []}]}, 1.3)
+    state.on_event({"choices": [{"text": "y", "token_ids": [5]}]}, 1.4)
+    assert state.itl() == pytest.approx([0.1, 0.1, 0.2])
+    # usage only: the total is spread over the gaps, the extra tokens to the longest gaps first
+    usage_only = stream_of([(1.0, 1), (1.2, 1), (1.8, 1)], usage=6, ids=False)
+    assert sorted(usage_only.itl()) == pytest.approx([0.1, 0.1, 0.2, 0.2, 0.2])
+    assert usage_only.output_len() == 6
+    # no ids, no usage: one token per chunk, as before
+    assert stream_of([(1.0, 1), (1.5, 3)], ids=False).itl() == pytest.approx([0.5])
+
+
+def test_spread_tokens_gives_every_gap_one_and_the_rest_to_the_longest():
+    assert spread_tokens([0.1, 0.3, 0.2], 3) == [1, 1, 1]
+    assert spread_tokens([0.1, 0.3, 0.2], 8) == [2, 3, 3]
+    assert spread_tokens([0.1, 0.3], 1) == [1, 1]  # fewer tokens than gaps: chunks are all we know
+    assert spread_tokens([], 4) == []
 
 
 def test_chat_endpoint_sends_messages(fake):

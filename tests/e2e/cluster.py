@@ -1,19 +1,21 @@
 """A local cluster whose processes a test starts, kills (-9), stops (SIGSTOP) and restarts one by
 one: the router on fixed ports (so a restarted router is found again) and nodes by name.
-`Stack` (stack.py) starts everything through `pdserve serve` instead; both talk HTTP the same way."""
+`Stack` (pdserve/bench/stack.py) starts everything through `pdserve serve` instead; both talk HTTP the same way."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
-from pdserve.bench.stack import ROOT, HttpClient
+from pdserve.bench.stack import HttpClient, child_env
 from pdserve.cli.serve import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 NODE_MODULES = {"prefill": "pdserve.prefill", "decode": "pdserve.decode", "both": "pdserve.prefill"}
 
@@ -31,7 +33,7 @@ class Cluster(HttpClient):
         self.node_args = list(node_args)
         self.procs: dict[str, subprocess.Popen] = {}
         self.node_argv: dict[str, list[str]] = {}
-        self.env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        self.env = child_env(OMP_NUM_THREADS="1")
         self.logs = ROOT / ".pytest_cache" / f"cluster-{self.port}"
         self.logs.mkdir(parents=True, exist_ok=True)
 

@@ -14,8 +14,12 @@ from pdserve.bench.stack import Stack
 from tests.e2e.conftest import hf_greedy as _hf_greedy
 from tests.e2e.conftest import prompts
 
-pytestmark = pytest.mark.e2e
+# Each test starts a stack of processes (the first also the module's): 8-14 s each measured on
+# two busy cores, so twice the 60 s default.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 MAX_TOKENS = 10
+# The tiny model needs ~512 bytes of KV a token; the default 2 GB pool per node is memory wasted.
+SMALL_POOL = ["--kv-cache-memory-gb", "0.1"]
 
 
 def hf_greedy(model, prompt_ids, max_tokens=MAX_TOKENS):
@@ -40,7 +44,7 @@ def streamed_ids(stack, path, body):
 
 @pytest.fixture(scope="module")
 def stack(model_dir):
-    s = Stack(str(model_dir[0]))
+    s = Stack(str(model_dir[0]), extra=SMALL_POOL)
     yield s
     s.close()
 
@@ -119,7 +123,7 @@ def test_client_disconnect_aborts_on_both_nodes(stack):
 def test_first_token_arrives_before_the_kv_transfer_ends(model_dir):
     # The decode node waits 1.5 s before pulling each request's KV (a slow network, simulated);
     # the first token must reach the client in the meantime.
-    s = Stack(str(model_dir[0]), decode_args="--kv-pull-delay-s 1.5")
+    s = Stack(str(model_dir[0]), decode_args="--kv-pull-delay-s 1.5", extra=SMALL_POOL)
     try:
         ids, events = streamed_ids(s, "/v1/completions", {"prompt": list(range(3, 100)), "max_tokens": 4, "ignore_eos": True,
                                                           "temperature": 0})
@@ -138,7 +142,7 @@ def test_first_token_arrives_before_the_kv_transfer_ends(model_dir):
 
 def test_two_by_two_serves_64_concurrent_streams(model_dir):
     _, model, _ = model_dir
-    s = Stack(str(model_dir[0]), num_prefill=2, num_decode=2)
+    s = Stack(str(model_dir[0]), num_prefill=2, num_decode=2, extra=SMALL_POOL)
     try:
         ps = prompts(64, seed=7, lo=1, hi=300)
         want = [hf_greedy(model, p) for p in ps]
@@ -170,7 +174,7 @@ def test_two_by_two_serves_64_concurrent_streams(model_dir):
 
 def test_colocated_mode_equals_transformers(model_dir):
     _, model, _ = model_dir
-    s = Stack(str(model_dir[0]), colocated=True, num_nodes=1)
+    s = Stack(str(model_dir[0]), colocated=True, num_nodes=1, extra=SMALL_POOL)
     try:
         for p in prompts(3, seed=3):
             assert completion(s, p)["choices"][0]["token_ids"] == hf_greedy(model, p)
@@ -188,6 +192,7 @@ def test_garbage_to_node_sockets_is_dropped(stack, model_dir):
     for junk in (b"", b"\x00" * 100, b"\x93\x01\x02\x03", b'{"type": "kv_ready"}'):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 5000)  # a send that cannot go out fails the test, not hangs it
         sock.connect(decode["kv_addr"])
         sock.send_multipart([junk, b"more"])
         sock.send(junk)
@@ -199,6 +204,7 @@ def test_garbage_to_node_sockets_is_dropped(stack, model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the stack alone may take 600 s to load the default model on a busy machine
 def test_default_model_over_http_equals_transformers():
     """The default model, text prompts and chat, streamed and not: greedy float32 outputs equal
     transformers' generate token for token."""

@@ -10,7 +10,8 @@ from pdserve.bench.stack import Stack
 from tests.e2e.test_disaggregated import completion, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in gpu_check.sh)")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in gpu_check.sh)"),
+              pytest.mark.timeout(300)]  # two stacks, each node initialising CUDA and capturing graphs
 
 # --max-num-seqs 16: each node captures 5 decode CUDA graphs at start-up instead of 35.
 GPU_FLAGS = ["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "16"]

@@ -59,12 +59,13 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict, tally: dict)
 
 async def run_all(url: str, bodies: list[dict]) -> tuple[list[list[int]], dict]:
     tally = {"429": 0}
-    timeout = aiohttp.ClientTimeout(total=1800)
+    timeout = aiohttp.ClientTimeout(total=1800, sock_read=300)  # five silent minutes is a hang
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         outs = await asyncio.gather(*(one(session, url, b, tally) for b in bodies))
     return outs, tally
 
 
+@pytest.mark.timeout(1200)  # two rounds of 1,000 requests through four nodes on two cores
 def test_1000_requests_at_rate_inf_with_flat_memory(model_dir):
     cluster = Cluster(str(model_dir[0]), router_args=["--max-queue", "64"],
                       node_args=["--kv-cache-memory-gb", "0.25"])

@@ -191,7 +191,8 @@ def test_engine_greedy_through_padded_path_equals_transformers(tiny_llama):
     max_tokens = [3, 12, 5, 9, 7, 4, 11]
     want = [w[:m] for w, m in zip(hf_greedy(model, prompts), max_tokens)]
 
-    llm = LLM(str(tiny_llama), dtype="float32", num_threads=2, max_num_seqs=6, max_num_batched_tokens=96)
+    llm = LLM(str(tiny_llama), dtype="float32", num_threads=2, max_num_seqs=6, max_num_batched_tokens=96,
+              kv_cache_memory_gb=0.05)
     runner = llm.engine.runner
     runner.init_decode_graphs(llm.engine.config.max_model_len)
     padded_batches = []

@@ -13,9 +13,13 @@ from tests.conftest import assert_no_leak, save_tiny_model
 PROMPTS = [[5, 6, 7, 8], list(range(10, 60)), [99] * 20, list(range(100, 103))]
 
 
+# The default 2 GB pool would be touched page by page; the tiny model needs ~512 bytes a token.
+SMALL_POOL_GB = 0.05
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(str(tiny_llama), dtype="float32", num_threads=2, block_size=8)
+    return LLM(str(tiny_llama), dtype="float32", num_threads=2, block_size=8, kv_cache_memory_gb=SMALL_POOL_GB)
 
 
 def sampled(llm, prompts, **kw):
@@ -99,7 +103,7 @@ def test_logprobs_hold_top_n_and_the_sampled_token(llm, tiny_llama):
 
 
 def test_priority_orders_admission(llm, tiny_llama):
-    solo = LLM(str(tiny_llama), dtype="float32", num_threads=2, max_num_seqs=1)
+    solo = LLM(str(tiny_llama), dtype="float32", num_threads=2, max_num_seqs=1, kv_cache_memory_gb=SMALL_POOL_GB)
     engine = solo.engine
     for rid, prio in (("late", 3), ("first", -5), ("mid", 0)):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0), request_id=rid, priority=prio)
@@ -138,7 +142,7 @@ def test_bad_input_is_refused_and_leaves_nothing_behind(llm):
 
 def test_a_model_without_tokenizer_takes_token_ids_only(tmp_path):
     save_tiny_model(tmp_path, "llama")
-    bare = LLM(str(tmp_path), dtype="float32", num_threads=2)
+    bare = LLM(str(tmp_path), dtype="float32", num_threads=2, kv_cache_memory_gb=SMALL_POOL_GB)
     assert bare.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].text == ""
     with pytest.raises(ValueError, match="token ids"):
         bare.generate(["text"], SamplingParams(max_tokens=2), use_tqdm=False)

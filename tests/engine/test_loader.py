@@ -341,7 +341,13 @@ def test_concurrent_conversions_are_safe(tiny_gguf, private_cache: Path, locked:
     processes.append(
         subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     )
-    results = [process.communicate(timeout=300) for process in processes]
+    try:
+        results = [process.communicate(timeout=300) for process in processes]
+    finally:  # a timeout (this one or the test's) must not leave a converter running
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     for process, (_, stderr) in zip(processes, results, strict=True):
         assert process.returncode == 0, stderr
 

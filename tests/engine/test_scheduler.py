@@ -249,3 +249,115 @@ def test_the_watermark_never_blocks_a_lone_request():
     run_to_completion(sched)
     assert req.finish_reason == "length"
     assert_no_leak(bm)
+
+
+# ---- remote KV (a decode node's requests) -------------------------------------------------
+def make_remote(num_tokens=8, max_tokens=4, **kw):
+    """A request as a decode node gets it: prompt KV computed elsewhere, first token sampled there."""
+    request = make_request(num_tokens=num_tokens, max_tokens=max_tokens, **kw)
+    request.append_output(7)
+    return request
+
+
+def test_remote_kv_waits_then_receives_then_runs():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=2)
+    a, b, c = make_remote(), make_remote(), make_remote()
+    for r in (a, b, c):
+        sched.add_remote(r)
+    assert [r.status for r in (a, b, c)] == [RequestStatus.WAITING_FOR_KV] * 3
+    assert sched.block_manager.num_used_blocks == 0 and sched.schedule().is_empty  # nothing to step yet
+    assert sched.has_unfinished() and not sched.has_runnable()
+    started = sched.schedule_remote_kv()
+    assert started == [a, b]  # arrival order; max_num_seqs counts receiving requests
+    assert [r.status for r in started] == [RequestStatus.RECEIVING_KV] * 2 and a.kv_pull_started_at is not None
+    assert sched.block_manager.block_ids(a.request_id) and (sched.num_waiting_for_kv, sched.num_receiving_kv) == (1, 2)
+    assert sched.schedule_remote_kv() == []  # the batch is full
+    assert sched.remote_kv_done(a.request_id) is a and a.status is RequestStatus.RUNNING
+    assert a.num_computed_tokens == a.num_prompt_tokens
+    out = sched.schedule()  # the first token is fed back
+    assert [(s.request, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled] == [(a, 8, 1)]
+    sched.postprocess(out, fake_forward(out))
+    assert sched.remote_kv_done(b.request_id) is b
+    while sched.has_runnable():  # c waits for room meanwhile
+        out = sched.schedule()
+        sched.postprocess(out, fake_forward(out))
+    assert a.finish_reason == b.finish_reason == "length" and c.status is RequestStatus.WAITING_FOR_KV
+    assert sched.schedule_remote_kv() == [c] and sched.remote_kv_done(c.request_id) is c
+    run_to_completion(sched)
+    assert c.output_token_ids == [7] * 4
+    assert_no_leak(sched.block_manager)
+
+
+def test_remote_kv_waits_for_blocks_in_arrival_order():
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    big, small = make_remote(num_tokens=16), make_remote(num_tokens=4)
+    running = make_request(num_tokens=8, max_tokens=8)
+    sched.add_request(running)
+    sched.postprocess(out := sched.schedule(), fake_forward(out))  # 2 blocks held
+    sched.add_remote(big)  # needs 4 blocks: fits exactly
+    sched.add_remote(small)
+    assert sched.schedule_remote_kv() == [big]
+    assert sched.schedule_remote_kv() == []  # small waits behind: no block left
+    assert sched.remote_kv_failed(big.request_id) is big and big.finish_reason == "abort"
+    assert sched.schedule_remote_kv() == [small]
+    sched.abort(running.request_id)
+    assert sched.remote_kv_failed(small.request_id) is small
+    assert sched.remote_kv_failed("unknown") is None and not sched.has_unfinished()
+    assert_no_leak(sched.block_manager)
+
+
+def test_remote_kv_watermark_only_once_something_runs_or_receives():
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+
+    bm = BlockManager(10, 4, watermark=0.3)  # 3 blocks held back for growth
+    sched = Scheduler(SchedulerConfig(max_model_len=40, max_num_batched_tokens=64), bm)
+    first, second = make_remote(num_tokens=24), make_remote(num_tokens=8)  # 6 blocks, then 2
+    sched.add_remote(first)
+    sched.add_remote(second)
+    assert sched.schedule_remote_kv() == [first]  # an empty pool keeps no watermark
+    assert sched.schedule_remote_kv() == []  # 4 free, 3 held back: 2 blocks do not fit
+    sched.abort(first.request_id)
+    assert sched.schedule_remote_kv() == [second]
+    sched.abort(second.request_id)
+    assert_no_leak(bm)
+
+
+def test_remote_kv_arrived_before_holds_back_later_arrivals():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    early, late = make_remote(), make_remote()
+    early.arrival_time, late.arrival_time = 10.0, 20.0
+    sched.add_remote(early)
+    sched.add_remote(late)
+    assert sched.schedule_remote_kv(arrived_before=15.0) == [early]
+    assert sched.schedule_remote_kv(arrived_before=15.0) == []
+    assert sched.schedule_remote_kv(arrived_before=25.0) == [late]
+    for r in (early, late):
+        sched.abort(r.request_id)
+    assert all(r.finish_reason == "abort" for r in (early, late))
+    assert_no_leak(sched.block_manager)
+
+
+def test_remote_kv_refuses_a_duplicate_id():
+    import pytest
+
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    request = make_remote(request_id="dup")
+    sched.add_remote(request)
+    with pytest.raises(ValueError, match="duplicate"):
+        sched.add_remote(make_remote(request_id="dup"))
+    sched.abort("dup")
+    assert_no_leak(sched.block_manager)
+
+
+def test_token_counters_for_throughput():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    sched.add_request(make_request(num_tokens=12, max_tokens=3))
+    remote = make_remote(num_tokens=8, max_tokens=3)
+    sched.add_remote(remote)
+    sched.schedule_remote_kv()
+    sched.remote_kv_done(remote.request_id)
+    run_to_completion(sched)
+    # 12 prompt positions computed here (the remote prompt was computed elsewhere); 3 + 2 sampled
+    assert (sched.num_prompt_tokens_computed, sched.num_tokens_sampled) == (12, 5)
+    assert_no_leak(sched.block_manager)

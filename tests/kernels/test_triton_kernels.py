@@ -17,7 +17,6 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pdserve.kernels import paged_attention, reference, store_kv, triton_attention
 from pdserve.kernels.triton_cache import copy_tokens_triton, gather_tokens_triton, scatter_tokens_triton
-from pdserve.kernels.triton_norm import rms_norm, rms_norm_torch, rotary_embedding, rotary_torch
 from pdserve.kvtransfer import payload
 from tests.kernels.test_reference import (
     MIXED_Q_LENS,
@@ -301,44 +300,3 @@ def test_gather_of_nothing_and_bad_block_ids(device):
         gather_tokens_triton(pool, [4], 3)
     with pytest.raises(ValueError, match="cannot hold"):
         gather_tokens_triton(pool, [1], 9)
-
-
-# ---- fused RMSNorm and rotary (optional kernels, not wired into the engine yet) ------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hidden", [64, 96])
-def test_rms_norm_with_and_without_residual(device, dtype, hidden):
-    gen = torch.Generator().manual_seed(3)
-    x, residual = (torch.randn(5, hidden, generator=gen).to(dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    got = rms_norm(x.to(device), weight.to(device), 1e-6)
-    torch.testing.assert_close(got.cpu(), rms_norm_torch(x, weight, 1e-6), **tol)
-    want_residual, got_residual = residual.clone(), residual.to(device)
-    want = rms_norm_torch(x, weight, 1e-6, want_residual)
-    got = rms_norm(x.to(device), weight.to(device), 1e-6, got_residual)
-    torch.testing.assert_close(got.cpu(), want, **tol)
-    torch.testing.assert_close(got_residual.cpu(), want_residual, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_on_fused_projection_views(device, dtype):
-    num_tokens, num_heads, num_kv_heads, head_dim = 6, 9, 3, 16
-    gen = torch.Generator().manual_seed(4)
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
-    angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    positions = torch.tensor([0, 5, 6, 7, 63, 2])
-    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
-    want_q, want_k = rotary_torch(positions, q, k, cos, sin)
-    got_qkv = qkv.to(device)
-    got_q, got_k = rotary_embedding(positions.to(device), got_qkv[:, : num_heads * head_dim].view(q.shape),
-                                    got_qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
-                                    .view(k.shape), cos.to(device), sin.to(device))
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    torch.testing.assert_close(got_q.cpu(), want_q, **tol)
-    torch.testing.assert_close(got_k.cpu(), want_k, **tol)
-    v_cols = slice((num_heads + num_kv_heads) * head_dim, None)
-    assert torch.equal(got_qkv[:, v_cols].cpu(), qkv[:, v_cols])  # v untouched

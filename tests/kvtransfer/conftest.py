@@ -1,5 +1,7 @@
-"""Factories for the KV transfer tests: tiny layouts and pools, a fake clock, a release log, and a
-pump that drives a sender and a receiver until a condition holds."""
+"""Factories for the KV transfer tests: tiny layouts and pools, a fake clock, a release log, a fake
+fault injector, a pump that drives a sender and a receiver until a condition holds, and socket
+calls that never block past a deadline (a raw `send` on a DEALER whose CURVE handshake failed
+would block forever)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,17 @@ from collections import Counter
 
 import pytest
 import torch
+import zmq
 
-from pdserve.kvtransfer.messages import KVLayout, KVReady
+from pdserve.kvtransfer.layout import layout_shape
+from pdserve.kvtransfer.messages import KVLayout, KVReady, Message
 from pdserve.kvtransfer.payload import DTYPES
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.shm import SharedKVPool, layout_shape
+from pdserve.kvtransfer.shm import SharedKVPool
+from pdserve.kvtransfer.sockets import recv_msg
 
-DTYPE_NAMES = ["float32", "bfloat16"]
+TEST_DTYPES = ["float32", "bfloat16"]
 
 
 def make_layout(*, block_size: int = 16, num_blocks: int = 16, dtype: str = "float32", num_layers: int = 2,
@@ -59,6 +64,50 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class EveryNthPull:
+    """Stands in for the node's FaultInjection: "drop" answers every Nth pull with nothing,
+    "corrupt" sends every Nth payload one byte short."""
+
+    def __init__(self, kind: str, every: int = 1):
+        self.kind, self.every, self.num_pulls = kind, every, 0
+
+    def spoil_payload(self, frame: memoryview) -> memoryview | None:
+        self.num_pulls += 1
+        if self.num_pulls % self.every:
+            return frame
+        return None if self.kind == "drop" else memoryview(frame).cast("B")[:-1]
+
+
+# ---- bounded socket calls ---------------------------------------------------------------------
+WAIT_S = 3.0
+
+
+def send_within(sock: zmq.Socket, *frames, timeout_s: float = WAIT_S) -> bool:
+    """Send one multipart message without blocking: NOBLOCK, retried while the queue is full or no
+    peer is attached yet; False if it still could not go after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.send_multipart([f.encode() if isinstance(f, Message) else f for f in frames], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+
+def recv_within(sock: zmq.Socket, timeout_s: float = WAIT_S) -> list[bytes]:
+    """The next multipart message; fails the test if none arrives within `timeout_s`."""
+    assert sock.poll(int(timeout_s * 1000)), "nothing arrived"
+    return sock.recv_multipart(zmq.NOBLOCK)
+
+
+def recv_msg_within(sock: zmq.Socket, timeout_s: float = WAIT_S) -> Message:
+    """The next decoded message (kvtransfer.sockets.recv_msg) within `timeout_s`."""
+    assert sock.poll(int(timeout_s * 1000)), "nothing arrived"
+    return recv_msg(sock, zmq.NOBLOCK)[1]
 
 
 class ReleaseLog:
@@ -134,14 +183,14 @@ class Pair:
 @pytest.fixture
 def make_pair(closing, shm_pool_factory):
     def make(*, src_bs: int = 16, dst_bs: int = 16, dtype: str = "float32", shm: bool = False, clock=None,
-             sender_layout: dict | None = None, pull_timeout_s: float = 30.0, **receiver_kw) -> Pair:
+             sender_layout: dict | None = None, pull_timeout_s: float = 30.0, faults=None, **receiver_kw) -> Pair:
         src_layout = make_layout(**{"block_size": src_bs, "dtype": dtype, **(sender_layout or {})})
         pool = shm_pool_factory(src_layout) if shm else None
         src = pool.tensor if shm else make_pool(src_layout)
         released, errors = ReleaseLog(), []
         kw = {} if clock is None else {"clock": clock}
-        sender = KVSender("p0", src_layout, src, released, shm_pool=pool, **kw)
-        sender.on_error = lambda rid, msg: errors.append((rid, msg))
+        sender = KVSender("p0", src_layout, src, released, shm_pool=pool, faults=faults,
+                          on_error=lambda rid, msg: errors.append((rid, msg)), **kw)
         dst_layout = make_layout(block_size=dst_bs, dtype=dtype)
         receiver = KVReceiver("d0", dst_layout, make_pool(dst_layout, seed=None), pull_timeout_s=pull_timeout_s,
                               **receiver_kw, **kw)

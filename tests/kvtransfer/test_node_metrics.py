@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.kvtransfer.messages import PrefillRequest
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot
-from pdserve.node.router_link import RouterLink, StatusServer, advertise_host, advertised_addr
+from pdserve.node.router_link import RouterLink, advertise_host, advertised_addr
+from pdserve.node.status_server import StatusServer
 
 NODE = {"node_id": "n0", "role": "prefill"}
 
@@ -72,7 +73,7 @@ def _get(url: str) -> tuple[int, bytes]:
 
 
 def test_status_server_health_waits_for_ready_and_serves_metrics():
-    server = StatusServer("127.0.0.1", 0, advertise_host="node.example", ready=False)
+    server = StatusServer("127.0.0.1", 0, advertise_host="node.example")
     try:
         local = "http://127.0.0.1:" + server.url.rsplit(":", 1)[1]
         assert server.url.startswith("http://node.example:")
@@ -81,8 +82,9 @@ def test_status_server_health_waits_for_ready_and_serves_metrics():
         assert _get(local + "/status") == (200, b'{"ready": false}')
         metrics = NodeMetrics("n0", "prefill")
         metrics.watch(make_snapshot)
-        server.metrics_fn, server.ready = metrics.render, True
+        server.set_ready(lambda: {"node_id": "n0"}, metrics.render)
         assert _get(local + "/health")[0] == 200
+        assert _get(local + "/status") == (200, b'{"node_id": "n0"}')
         code, body = _get(local + "/metrics")
         assert code == 200 and value(samples(body), "pdserve_kv_blocks_total", **NODE) == 100
     finally:
@@ -118,8 +120,9 @@ def test_handoff_moves_node_metrics(tiny_llama, no_leak):
     for engine in (pe, de):
         engine.warm_up()
         assert engine.block_manager.num_prefix_queries == 0 and engine.block_manager.num_used_blocks == 0
-    prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")))
-    prefill.sender = KVSender("p0", kv_layout(pe, "tiny"), pe.runner.kv_buffer, prefill._release)
+    prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")),
+                          make_sender=lambda release, on_error: KVSender("p0", kv_layout(pe, "tiny"),
+                                                                         pe.runner.kv_buffer, release))
     receiver = KVReceiver("d0", kv_layout(de, "tiny"), de.runner.kv_buffer)
     decode = DecodeNode(de, RouterLink(addr, register_message("d0", "decode", de, "tiny")), receiver)
     prompt = list(range(3, 40))

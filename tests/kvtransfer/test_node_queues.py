@@ -72,7 +72,7 @@ def test_decode_queue_limit(tiny_llama, no_leak):
     try:
         for i in range(3):
             node._on_ready(KVReady(f"r{i}", list(range(3, 20)), 5, None, GREEDY, 17, [0, 1], layout.block_size, 30.0))
-        assert list(node.waiting_for_kv) == ["r0"]
+        assert [r.request_id for r in engine.scheduler.waiting_for_kv] == ["r0"]
         assert [rid for rid, _ in released] == ["r1", "r2"] and "queue full" in released[0][1]
         assert [e.request_id for e in errors_from(router)] == ["r1", "r2"]
         assert engine.block_manager.num_used_blocks == 0

@@ -10,7 +10,7 @@ from pdserve.kvtransfer.payload import (
     tensor_to_frame,
 )
 
-from .conftest import DTYPE_NAMES, make_layout, make_pool, reference_tokens, same_bytes
+from .conftest import TEST_DTYPES, make_layout, make_pool, reference_tokens, same_bytes
 
 BLOCK_SIZE_PAIRS = [(16, 16), (16, 8), (8, 32), (4, 16)]
 NUM_TOKENS = 37  # not a multiple of any block size
@@ -23,7 +23,7 @@ def _blocks(num_tokens: int, block_size: int, num_blocks: int, seed: int) -> lis
     return perm[:need]
 
 
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", TEST_DTYPES)
 @pytest.mark.parametrize("src_bs,dst_bs", BLOCK_SIZE_PAIRS)
 def test_gather_scatter_round_trip(dtype, src_bs, dst_bs):
     src = make_pool(make_layout(block_size=src_bs, num_blocks=16, dtype=dtype))
@@ -40,7 +40,7 @@ def test_gather_scatter_round_trip(dtype, src_bs, dst_bs):
     assert not dst[:, :, untouched].any(), "scatter wrote outside the request's blocks"
 
 
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", TEST_DTYPES)
 @pytest.mark.parametrize("src_bs,dst_bs", BLOCK_SIZE_PAIRS)
 def test_copy_tokens_matches_gather(dtype, src_bs, dst_bs):
     src = make_pool(make_layout(block_size=src_bs, num_blocks=16, dtype=dtype))

@@ -9,7 +9,8 @@ import zmq
 
 from pdserve.kvtransfer.messages import Abort, Deregister, Register, Reregister, decode
 from pdserve.kvtransfer.sockets import endpoint, make_socket
-from pdserve.node.router_link import RouterLink, serve_node
+from pdserve.node.router_link import RouterLink
+from pdserve.node.runtime import serve_node
 
 
 def register_msg() -> Register:

@@ -12,9 +12,20 @@ from pdserve.kvtransfer.messages import Handshake, HandshakeAck, KVData, KVReady
 from pdserve.kvtransfer.payload import gather_tokens
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.sockets import make_socket, recv_msg, send_msg
+from pdserve.kvtransfer.sockets import make_socket, send_msg
 
-from .conftest import DTYPE_NAMES, ReleaseLog, kinds, make_layout, make_pool, make_ready, pump, same_bytes
+from .conftest import (
+    TEST_DTYPES,
+    ReleaseLog,
+    kinds,
+    make_layout,
+    make_pool,
+    make_ready,
+    pump,
+    recv_msg_within,
+    same_bytes,
+    send_within,
+)
 
 PAIRS = [(16, 16), (16, 8), (8, 32), (4, 16)]
 
@@ -23,7 +34,7 @@ def assert_moved(pair, src_ids, dst_ids, num_tokens):
     assert same_bytes(gather_tokens(pair.dst, dst_ids, num_tokens), gather_tokens(pair.src, src_ids, num_tokens))
 
 
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", TEST_DTYPES)
 @pytest.mark.parametrize("src_bs,dst_bs", PAIRS)
 def test_zmq_transfer(make_pair, dtype, src_bs, dst_bs):
     pair = make_pair(src_bs=src_bs, dst_bs=dst_bs, dtype=dtype)
@@ -41,7 +52,7 @@ def test_zmq_transfer(make_pair, dtype, src_bs, dst_bs):
     pair.released.assert_released_once(requests)
 
 
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("dtype", TEST_DTYPES)
 @pytest.mark.parametrize("src_bs,dst_bs", [(16, 8), (4, 16)])
 def test_shm_transfer(make_pair, dtype, src_bs, dst_bs):
     pair = make_pair(src_bs=src_bs, dst_bs=dst_bs, dtype=dtype, shm=True)
@@ -103,19 +114,18 @@ def test_garbage_on_both_sockets_is_dropped(make_pair):
     # garbage into the receiver from a stranger, including well-formed but unexpected messages
     stranger = make_socket(zmq.DEALER, connect=pair.receiver.kv_addr, identity=b"stranger")
     for g in GARBAGE:
-        stranger.send(g)
-    stranger.send_multipart([b"\x92", b"junk frame"])
+        assert send_within(stranger, g)
+    assert send_within(stranger, b"\x92", b"junk frame")
     send_msg(stranger, KVData("r1", ok=True, dtype="float32", shape=[1]), b"\x00" * 4)
     send_msg(stranger, make_ready("rX", [0], 4, 16))  # no handshake: refused, no event
     # garbage into the sender, through the receiver's ROUTER (the sender's identity is its peer key)
     (sender_identity,) = list(pair.receiver._peers)
     for g in GARBAGE[1:] + [Handshake("x", make_layout()).encode()]:
-        pair.receiver.sock.send_multipart([sender_identity, g])
+        assert send_within(pair.receiver.sock, sender_identity, g)
     events = pair.transfer("r2", [5, 6, 7], [3, 4], 20)
     assert kinds(events, "ready") == ["r2"] and kinds(events, "done") == ["r2"]
     assert_moved(pair, [5, 6, 7], [3, 4], 20)
-    assert stranger.poll(2000)
-    _, ack, _ = recv_msg(stranger)
+    ack = recv_msg_within(stranger)
     assert isinstance(ack, HandshakeAck) and not ack.ok and "handshake" in ack.error
     stranger.close(0)
     pair.pump(lambda _: pair.sender.num_held == 0)
@@ -125,7 +135,7 @@ def test_garbage_on_both_sockets_is_dropped(make_pair):
 def test_oversized_frame_disconnects_only_that_peer(make_pair):
     pair = make_pair(max_frame_bytes=64 << 10)
     stranger = make_socket(zmq.DEALER, connect=pair.receiver.kv_addr)
-    stranger.send_multipart([KVReady.__name__.encode(), b"\x00" * (1 << 20)])
+    assert send_within(stranger, KVReady.__name__.encode(), b"\x00" * (1 << 20))
     events = pair.transfer("r1", [0, 1], [2, 3], 30)  # 30 tokens: 15 KiB, under the bound
     assert kinds(events, "done") == ["r1"]
     stranger.close(0)

@@ -6,7 +6,7 @@ import random
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.messages import Token
-from pdserve.router.request_state import RequestStatus, RouterError, RouterRequest
+from pdserve.router.request_state import RouterError, RouterRequest, RouterRequestStatus
 
 
 def make(tokenizer, prompt: str = "Say: ", **params) -> RouterRequest:
@@ -28,7 +28,7 @@ def collect(req: RouterRequest, tokens: list[Token]) -> str:
 def test_in_order_tokens_give_the_text(tokenizer):
     req = make(tokenizer, max_tokens=64)
     assert collect(req, tokens_for(tokenizer, "héllo wörld")) == "héllo wörld"
-    assert req.status is RequestStatus.FINISHED and req.finish_reason == "length"
+    assert req.status is RouterRequestStatus.FINISHED and req.finish_reason == "length"
     assert req.node_ids == ["p", "d"]
 
 
@@ -47,7 +47,7 @@ def test_nothing_is_delivered_before_the_first_token(tokenizer):
     req = make(tokenizer, max_tokens=64)
     tokens = tokens_for(tokenizer, "abc")
     assert req.receive(tokens[2]) is None and req.receive(tokens[1]) is None
-    assert req.status is RequestStatus.PREFILLING
+    assert req.status is RouterRequestStatus.PREFILLING
     delta = req.receive(tokens[0])
     assert delta.token_ids == tokenizer.encode("abc") and delta.text == "abc" and delta.finish_reason == "length"
 
@@ -94,8 +94,8 @@ def test_logprobs_entries(tokenizer):
 def test_fail_and_abort_end_the_request_once(tokenizer):
     req = make(tokenizer)
     delta = req.fail(RouterError("boom", 500, "InternalServerError"))
-    assert delta.error.message == "boom" and req.status is RequestStatus.FAILED
+    assert delta.error.message == "boom" and req.status is RouterRequestStatus.FAILED
     assert req.fail(RouterError("again", 500, "x")) is None and not req.abort()
     assert req.receive(Token("r", 0, 70, None, "length")) is None
     other = make(tokenizer)
-    assert other.abort() and other.status is RequestStatus.ABORTED and other.timing.finished is not None
+    assert other.abort() and other.status is RouterRequestStatus.ABORTED and other.timing.finished is not None

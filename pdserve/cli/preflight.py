@@ -1,0 +1,77 @@
+"""What `pdserve serve` checks before it starts anything: the flags it hands each role parse with
+that role's own parser, and the router's HTTP port is free. Each check answers an error line (or
+None), so the command fails at once with one clear line instead of a crash loop minutes later."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import shlex
+import socket
+from collections.abc import Callable
+
+
+class _ParseError(Exception):
+    pass
+
+
+def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser`, made to raise _ParseError where argparse would print and exit (errors, --help)."""
+
+    def error(message: str):
+        raise _ParseError(message)
+
+    def exit(status: int = 0, message: str | None = None):
+        raise _ParseError(message or "asks for help; pass it to the role's own command")
+
+    parser.error = error
+    parser.exit = exit
+    return parser
+
+
+def _role_parsers() -> dict[str, tuple[str, Callable[[], argparse.ArgumentParser], list[str]]]:
+    """flag -> (the command it feeds, a parser factory, the required flags that parser needs)."""
+    from pdserve.decode.__main__ import build_parser as decode_parser
+    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.router.cli import build_parser as router_parser
+
+    node = ["--router", "tcp://127.0.0.1:1"]  # the one required node flag; serve supplies the real one
+    return {"--prefill-args": ("pdserve prefill", prefill_parser, node),
+            "--decode-args": ("pdserve decode", decode_parser, node),
+            "--router-args": ("pdserve router", router_parser, [])}
+
+
+def check_role_args(values: dict[str, str]) -> str | None:
+    """An error line for the first of `values` ({"--decode-args": "--max-num-seqs 64", ...}) that
+    its role's parser refuses, else None."""
+    parsers = _role_parsers()
+    for flag, value in values.items():
+        command, make_parser, required = parsers[flag]
+        try:
+            _raise_instead_of_exit(make_parser()).parse_args([*required, *shlex.split(value)])
+        except ValueError as e:  # shlex: an unclosed quote
+            return f"{flag} {value!r}: {e}"
+        except _ParseError as e:
+            return f"{flag} {value!r}: {e} (see {command} --help)"
+    return None
+
+
+def check_port_free(host: str, port: int) -> str | None:
+    """An error line if nothing could listen on host:port now, else None. Binds each address the
+    host resolves to as the router's server will (SO_REUSEADDR, so TIME_WAIT is no obstacle)."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve --host {host}: {e.strerror}"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"port {port} on {host} is already in use (pass --port to pick another)"
+                return f"cannot listen on {host} port {port}: {e.strerror}"
+    return None

@@ -1,0 +1,144 @@
+"""What the router does with each message a node sends on the control socket (router/control.py):
+
+    Register    add the node (replace an entry with the same node_id; if its pid changed the old
+                process is gone, so its requests are re-dispatched). Eligible once a heartbeat says ready.
+    Heartbeat   refresh liveness and load (free blocks, outstanding prompt tokens, ready), and
+                reconcile: a request the node lists that the router does not place there is
+                aborted on it; a heartbeat from a node the router does not know gets Reregister
+    Deregister  drop the node (it drained first); anything it still held is re-dispatched
+    FirstToken  output index 0 of a request: ends the prompt-token accounting on the prefill node
+    TokenBatch  tokens with index >= 1; a token with finish_reason ends the request
+    Error       retryable (a KV transfer failed, a node is full): the request is re-dispatched;
+                otherwise it fails (500, or an error event once streaming)
+    anything else, garbage, wrong frame count: logged and dropped (control.py)
+
+`NodeMessages` is one part of `Router` (router.py): one handler per message, on the router's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.kvtransfer.messages import (
+    Abort,
+    Deregister,
+    Error,
+    FirstToken,
+    Heartbeat,
+    Message,
+    MessageError,
+    Register,
+    Reregister,
+    Token,
+    TokenBatch,
+)
+from pdserve.router.control import ControlSocket
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.registry import Registry
+from pdserve.router.request_state import RouterError, RouterRequest
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+
+
+class NodeMessages:
+    """The handlers of node messages. Mixed into `Router`, whose state they use (below) and whose
+    `_send`, `_deliver`, `_fail`, `_redispatch`, `_unpark` and `_node_lost` they call."""
+
+    served_model_name: str
+    registry: Registry
+    requests: dict[str, RouterRequest]
+    parked: dict[str, tuple[RouterRequest, float, str]]
+    metrics: RouterMetrics
+    control: ControlSocket
+    _reregister_sent: dict[str, float]  # node id → when we last asked it to register
+
+    _HANDLERS = {Register: "_on_register", Heartbeat: "_on_heartbeat", Deregister: "_on_deregister",
+                 FirstToken: "_on_first_token", TokenBatch: "_on_token_batch", Error: "_on_error"}
+
+    async def _on_message(self, identity: bytes, msg: Message) -> None:
+        name = self._HANDLERS.get(type(msg))
+        if name is None:
+            raise MessageError(f"a {msg.TYPE} message is not for the router")
+        await getattr(self, name)(identity, msg)
+
+    async def _on_register(self, identity: bytes, msg: Register) -> None:
+        if msg.role not in ROLES:
+            raise MessageError(f"register: unknown role {msg.role!r}")
+        if msg.model and msg.model != self.served_model_name:
+            logger.warning("node %s serves %r, the router serves %r", msg.node_id, msg.model, self.served_model_name)
+        old = self.registry.register(msg, identity)
+        self._reregister_sent.pop(msg.node_id, None)
+        logger.info("node %s registered (role %s, pid %d%s)", msg.node_id, msg.role, msg.pid,
+                    ", replacing" if old else "")
+        if old is None:
+            return
+        if old.register.pid == msg.pid:  # the same process reconnected: its requests live on
+            new = self.registry.nodes[msg.node_id]
+            new.request_ids, new.outstanding_prompt_tokens = old.request_ids, old.outstanding_prompt_tokens
+        else:
+            await self._node_lost(old, f"node {msg.node_id} restarted")
+
+    async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        node = self.registry.nodes.get(msg.node_id)
+        if node is None:
+            await self._ask_to_register(msg.node_id)
+            return
+        self.registry.heartbeat(msg)
+        if self.parked and node.ready:
+            await self._unpark()
+        now = time.monotonic()
+        for wire_id in msg.request_ids:
+            req = self.requests.get(wire_id)
+            if req is not None and wire_id in node.request_ids:
+                req.last_listed = now
+            elif req is None or node.node_id not in req.node_ids:
+                # Ended, re-dispatched, or from before a router restart: nobody wants its tokens.
+                await self._send(node, Abort(wire_id, "unknown to the router"))
+
+    async def _ask_to_register(self, node_id: str) -> None:
+        """A heartbeat from a node the router does not know: it was dropped (missed heartbeats) or
+        the router restarted. Ask it to register again (at most once per heartbeat timeout)."""
+        now = time.monotonic()
+        if now - self._reregister_sent.get(node_id, -1e9) < self.registry.heartbeat_timeout_s:
+            return
+        self._reregister_sent[node_id] = now
+        logger.info("heartbeat from unknown node %s: asking it to register", node_id)
+        # By convention a node's main socket has its id as identity. If it is not connected (yet),
+        # the send fails and a later heartbeat asks again.
+        await self.control.send(node_id.encode(), node_id, Reregister("unknown node"), log_level=logging.INFO)
+
+    async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
+        node = self.registry.remove(msg.node_id)
+        if node is not None:
+            logger.info("node %s deregistered", msg.node_id)
+            await self._node_lost(node, f"node {msg.node_id} left")
+
+    async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None:
+            return  # aborted or ended already: a late token is expected, not an error
+        self.registry.first_token(req.prefill_node_id, req.wire_id)
+        req.timing.prefill_queued_s, req.timing.prefill_s = msg.queued_s, msg.prefill_s
+        req.timing.num_cached_tokens = msg.num_cached_tokens
+        delivered_before = req.timing.first_token is not None  # a duplicate FirstToken is dropped
+        await self._deliver(req, Token(msg.request_id, 0, msg.token_id, msg.logprobs, msg.finish_reason))
+        if not delivered_before and req.timing.first_token is not None:
+            self.metrics.observe_first_token(req)
+
+    async def _on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
+        for token in msg.tokens:
+            req = self.requests.get(token.request_id)
+            if req is not None:
+                await self._deliver(req, token)
+
+    async def _on_error(self, identity: bytes, msg: Error) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or msg.node_id not in req.node_ids:
+            return  # an earlier attempt's, or a stranger's
+        if msg.retryable:
+            await self._redispatch(req, f"node {msg.node_id}: {msg.message}")
+        else:
+            await self._fail(req, RouterError(f"node {msg.node_id}: {msg.message}", 500, "InternalServerError"))

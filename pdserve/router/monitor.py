@@ -1,0 +1,65 @@
+"""The router's periodic checks, every min(1 s, heartbeat_timeout_s / 4):
+
+    heartbeat expiry   a node silent for `heartbeat_timeout_s` is dropped and its requests are
+                       re-dispatched (redispatch.py)
+    parked requests    re-dispatched once a node is ready, failed past `retry_wait_s` (redispatch.py)
+    deadlines          a request past its deadline (`request_timeout_s`) fails with a 504 and is
+                       aborted on its nodes
+    lost requests      a request that no node has listed in its heartbeats for `lost_after_s` (a
+                       message lost with a dying node) is re-dispatched
+
+`Monitor` is one part of `Router` (router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from pdserve.router.registry import Registry
+from pdserve.router.request_state import RouterError, RouterRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Monitor:
+    """Mixed into `Router`, whose state it uses (below) and whose `_node_lost`, `_unpark`,
+    `_fail` and `_redispatch` it calls."""
+
+    registry: Registry
+    requests: dict[str, RouterRequest]
+    parked: dict[str, tuple[RouterRequest, float, str]]
+    lost_after_s: float
+
+    async def _monitor_loop(self) -> None:
+        interval = min(1.0, self.registry.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._check_timeouts()
+            except Exception:
+                logger.exception("error checking timeouts")
+
+    async def _check_timeouts(self) -> None:
+        await self._expire_nodes()
+        if self.parked:
+            await self._unpark()
+        await self._check_requests()
+
+    async def _expire_nodes(self) -> None:
+        for node in self.registry.expire():
+            logger.warning("node %s missed heartbeats for %.1f s: dropped", node.node_id,
+                           self.registry.heartbeat_timeout_s)
+            await self._node_lost(node, f"node {node.node_id} stopped responding")
+
+    async def _check_requests(self) -> None:
+        """Fail the requests past their deadline; re-dispatch those no node lists any more."""
+        now = time.monotonic()
+        for req in list(self.requests.values()):
+            if req.status.is_done:
+                continue
+            if req.deadline is not None and now > req.deadline:
+                await self._fail(req, RouterError("the request timed out", 504, "TimeoutError"))
+            elif now - req.last_listed > self.lost_after_s:
+                await self._redispatch(req, f"no node has listed {req.wire_id} for {self.lost_after_s:g} s")
