@@ -15,7 +15,7 @@
     metrics.py           Prometheus metrics (GET /metrics): TTFT and its stages, TPOT, ITL, counts
     app.py               aiohttp routes (create_app)
     access_log.py        the HTTP access log, with /health and /metrics polls at DEBUG
-    cli.py               main(argv): `pdserve router` / `python -m router`
+    cli.py               main(argv): `pdserve router` / `python -m pdserve.router`
 
 `pdserve serve` (router + nodes as supervised local processes) is pdserve/cli/serve.py.
 """

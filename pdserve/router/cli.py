@@ -1,4 +1,4 @@
-"""`pdserve router` / `python -m router`: the HTTP API plus the control socket nodes register on."""
+"""`pdserve router` / `python -m pdserve.router`: the HTTP API plus the control socket nodes register on."""
 
 from __future__ import annotations
 
