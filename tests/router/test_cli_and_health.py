@@ -54,19 +54,24 @@ def test_openapi_describes_the_health_body():
 
 
 # ---- the access log ------------------------------------------------------------------------------
-def test_health_and_metrics_polls_are_logged_at_debug(tokenizer, caplog):
+def get_with_access_log(tokenizer, paths) -> None:
+    """GET each path from an app served with the router's access logger."""
     async def scenario():
         server = TestServer(create_app(Router(tokenizer, MODEL)))
         await server.start_server(access_log_class=RouterAccessLogger)
         client = TestClient(server)
         try:
-            for path in ("/health", "/metrics", "/v1/models", "/nothing"):
+            for path in paths:
                 await (await client.get(path)).read()
         finally:
             await client.close()
 
+    run(scenario())
+
+
+def test_health_and_metrics_polls_are_logged_at_debug(tokenizer, caplog):
     with caplog.at_level(logging.DEBUG, logger="aiohttp.access"):
-        run(scenario())
+        get_with_access_log(tokenizer, ("/health", "/metrics", "/v1/models", "/nothing"))
     levels = {}
     for record in caplog.records:
         if record.name == "aiohttp.access":
@@ -77,18 +82,8 @@ def test_health_and_metrics_polls_are_logged_at_debug(tokenizer, caplog):
 
 
 def test_at_info_polls_are_not_logged(tokenizer, caplog):
-    async def scenario():
-        server = TestServer(create_app(Router(tokenizer, MODEL)))
-        await server.start_server(access_log_class=RouterAccessLogger)
-        client = TestClient(server)
-        try:
-            await (await client.get("/health")).read()
-            await (await client.get("/v1/models")).read()
-        finally:
-            await client.close()
-
     with caplog.at_level(logging.INFO, logger="aiohttp.access"):
-        run(scenario())
+        get_with_access_log(tokenizer, ("/health", "/v1/models"))
     messages = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
     assert len(messages) == 1 and '"GET /v1/models HTTP/1.1" 200' in messages[0]  # aiohttp's own format
 
