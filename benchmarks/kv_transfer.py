@@ -8,14 +8,13 @@ torch `index_select` + `index_copy_`, in the same run. Payload = K and V of ever
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from pdserve.bench.json_out import jsonable, write_json
+from pdserve.bench.json_out import report
 
 
 def _time(fn, repeats: int) -> float:
@@ -67,9 +66,7 @@ def main(argv=None) -> int:
     result = {"payload_bytes": payload, "triton_s": t_triton, "torch_s": t_torch,
               "triton_TBps": payload / t_triton / 1e12, "torch_TBps": payload / t_torch / 1e12, "bytes_identical": ok,
               "args": vars(args)}
-    print(json.dumps(jsonable(result), indent=2))
-    if args.json:
-        write_json(args.json, result)
+    report(result, args.json)
     return 0 if ok else 1
 
 

@@ -13,7 +13,6 @@ share the process (and the cores): a lower bound. Payload = K and V of every lay
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from pdserve.bench.json_out import jsonable, write_json
+from pdserve.bench.json_out import report
 from pdserve.kvtransfer.curve import CurveKeys, generate_keys, stop_authenticator
 from pdserve.kvtransfer.layout import bytes_per_token, layout_shape
 from pdserve.kvtransfer.messages import KVLayout, KVReady
@@ -171,9 +170,7 @@ def main(argv=None) -> int:
         result["kernels_s"] = kernels
         result["kernels_MBps"] = {name: payload_bytes / s / 1e6 for name, s in kernels.items()}
     result.update({"times_s": times, "bytes_identical": ok, "args": vars(args)})
-    print(json.dumps(jsonable(result), indent=2))
-    if args.json:
-        write_json(args.json, result)
+    report(result, args.json)
     return 0 if ok else 1
 
 

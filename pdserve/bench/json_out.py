@@ -26,3 +26,10 @@ def write_json(path: str | Path, doc, indent: int = 2) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(jsonable(doc), indent=indent, allow_nan=False))
     return path
+
+
+def report(result: dict, json_path: str | Path | None) -> None:
+    """Print `result` as strict JSON, and write it to `json_path` too when one is given."""
+    print(json.dumps(jsonable(result), indent=2))
+    if json_path:
+        write_json(json_path, result)
