@@ -172,4 +172,5 @@ class DecodeNode:
         """Called from the status thread at scrape time: reads counters, changes nothing."""
         return engine_snapshot(self.engine, num_bytes_received=self.num_kv_bytes_received,
                                num_shm_transfers=self.receiver.num_shm_copies,
-                               num_zmq_transfers=self.receiver.num_zmq_pulls)
+                               num_zmq_transfers=self.receiver.num_zmq_pulls,
+                               auth_refusals=getattr(self.receiver, "auth_refusals", None))

@@ -2,9 +2,10 @@
 
     messages.py   every wire message (msgpack dataclasses), KVLayout included
     sockets.py    the one socket factory (`make_socket`) and typed send/recv
-    curve.py      optional CURVE keys and the ZAP authenticator
+    curve.py      CURVE keys and the ZAP authenticator
+    exposure.py   which addresses other machines can reach, and the refusal to expose one without keys
     layout.py     the checks both ends make against a KVLayout (pool shape, KVReady, block ids)
-    payload.py    gather/scatter/copy a request's tokens; tensors <-> frames; the dtype table
+    payload.py    gather/scatter/copy a request's tokens; tensors <-> frames (dtype names: engine/dtypes.py)
     lease.py      how long the prefill node keeps handed-off blocks pinned
     sender.py     prefill side: KVReady, serve pulls, release on KVDone or lease expiry
     receiver.py   decode side: handshake probes, pull through a transport, KVDone

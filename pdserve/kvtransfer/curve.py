@@ -19,16 +19,37 @@ A peer without the keys (or with keys not in the allowed set) never completes a 
 messages stay queued on its side, nothing reaches the other end, and libzmq keeps retrying the
 connection. For the KV hand-off that means the decode node never sees the KVReady and the
 prefill node's lease runs out and releases the blocks; a node never registers with the router.
+
+Refusals are counted (`pdserve_auth_refusals_total{reason}` on the router and on decode nodes)
+from two sources, because libzmq asks ZAP only about peers that got that far:
+
+    unknown_key   the ZAP callback refused a client key that is not in the allowed set (the
+                  client knew our server's public key). Reported by `_AllowedKeys` through
+                  `apply_server(..., on_refused=...)`; libzmq then also emits
+                  HANDSHAKE_FAILED_AUTH on the socket's monitor, which is not counted again.
+    no_curve      HANDSHAKE_FAILED_PROTOCOL with ZMTP_MECHANISM_MISMATCH: a plain (keyless) peer.
+    handshake     any other failed handshake (HANDSHAKE_FAILED_PROTOCOL, e.g. a client of
+                  another key directory, whose HELLO is not encrypted for our server key, or
+                  HANDSHAKE_FAILED_NO_DETAIL: a peer that hung up mid-handshake, which a keyless
+                  peer sometimes does too).
+
+`monitor_handshakes(sock)` opens the monitor socket for those events and `HandshakeFailures`
+turns its events into reasons, logging the first one and then at most one line a minute with a
+count (libzmq does not say who a keyless peer is; every peer retries about every 100 ms). Each
+socket given `on_refused` gets a ZAP domain of its own, so two bound sockets of one context
+(tests hold many) count only their own refusals. `node_id_taken` is the router's (handlers.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +61,13 @@ log = logging.getLogger(__name__)
 
 SERVER, CLIENT = "server", "client"  # certificate base names in the key directory
 ZAP_DOMAIN = "pdserve"
+# pdserve_auth_refusals_total{reason}: the first three on every bound CURVE socket, the last on the router
+AUTH_REFUSAL_REASONS = ("unknown_key", "no_curve", "handshake", "node_id_taken")
+SOCKET_REFUSAL_REASONS = AUTH_REFUSAL_REASONS[:3]
+OnRefused = Callable[[str, str], None]  # (reason, peer description); may run in the ZAP thread
+HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_domain_ids = itertools.count(1)
 
 
 def generate_keys(directory: str | os.PathLike, *, force: bool = False) -> Path:
@@ -89,13 +117,18 @@ def _load_secret(directory: Path, name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def apply_server(sock: zmq.Socket, keys: CurveKeys) -> None:
-    """Make `sock` (before it binds) a CURVE server whose clients the authenticator checks."""
-    start_authenticator(sock.context, keys)
+def apply_server(sock: zmq.Socket, keys: CurveKeys, *, on_refused: OnRefused | None = None) -> str:
+    """Make `sock` (before it binds) a CURVE server whose clients the authenticator checks.
+    With `on_refused`, the socket gets a ZAP domain of its own and `on_refused("unknown_key", key)`
+    is called (in the authenticator's thread) for every client key refused on it. Returns the ZAP
+    domain (give it to `forget_domain` when the socket closes)."""
+    domain = ZAP_DOMAIN if on_refused is None else f"{ZAP_DOMAIN}-{next(_domain_ids)}"
+    start_authenticator(sock.context, keys, domain=domain, on_refused=on_refused)
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)
-    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    sock.setsockopt(zmq.ZAP_DOMAIN, domain.encode())
+    return domain
 
 
 def apply_client(sock: zmq.Socket, keys: CurveKeys) -> None:
@@ -109,13 +142,19 @@ def apply_client(sock: zmq.Socket, keys: CurveKeys) -> None:
 class _AllowedKeys:
     """pyzmq credentials provider: admit a client whose public key is in the set."""
 
-    def __init__(self, keys: frozenset[bytes]):
+    def __init__(self, keys: frozenset[bytes], on_refused: OnRefused | None = None):
         self.keys = keys
+        self.on_refused = on_refused
         self._refused: set[bytes] = set()  # warn once per key: a refused peer retries every 100 ms
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
+        if self.on_refused is not None:
+            try:
+                self.on_refused("unknown_key", key.decode())
+            except Exception:  # a counting bug must not turn into letting the peer in
+                log.exception("on_refused failed")
         if key not in self._refused:
             self._refused.add(key)
             log.warning("refused a ZMQ CURVE client with unknown public key %s", key.decode())
@@ -126,20 +165,93 @@ _authenticators: dict[zmq.Context, tuple[ThreadAuthenticator, frozenset[bytes]]]
 _lock = threading.Lock()
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
-    """Run a ZAP handler on `ctx` admitting only `keys.allowed_client_keys`; idempotent per context.
-    Raises ValueError if one already runs there with another key set."""
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys, *, domain: str = ZAP_DOMAIN,
+                        on_refused: OnRefused | None = None) -> ThreadAuthenticator:
+    """Run a ZAP handler on `ctx` admitting only `keys.allowed_client_keys` for sockets of ZAP
+    `domain`; idempotent per context (a new domain is added to the running handler). Raises
+    ValueError if one already runs there with another key set."""
     with _lock:
         running = _authenticators.get(ctx)
         if running is not None:
             auth, allowed = running
             if allowed != keys.allowed_client_keys:
                 raise ValueError("a ZAP authenticator with other allowed keys already runs on this context")
-            return auth
-        auth = _start_zap_thread(ctx)
-        auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=_AllowedKeys(keys.allowed_client_keys))
-        _authenticators[ctx] = (auth, keys.allowed_client_keys)
+        else:
+            auth = _start_zap_thread(ctx)
+            _authenticators[ctx] = (auth, keys.allowed_client_keys)
+        if domain not in auth.credentials_providers or on_refused is not None:
+            # A dict entry the ZAP thread reads per request: safe to add while it runs.
+            auth.configure_curve_callback(domain, credentials_provider=_AllowedKeys(keys.allowed_client_keys,
+                                                                                    on_refused))
         return auth
+
+
+def forget_domain(ctx: zmq.Context, domain: str) -> None:
+    """Drop a socket's own ZAP domain (see `apply_server`) once the socket is closed."""
+    with _lock:
+        running = _authenticators.get(ctx)
+    if running is not None and domain != ZAP_DOMAIN:
+        running[0].credentials_providers.pop(domain, None)
+
+
+def monitor_handshakes(sock: zmq.Socket) -> zmq.Socket:
+    """A monitor socket (PAIR; asyncio if `sock` is) reporting `sock`'s failed handshakes. Close it
+    with `close_monitor` before the socket's context terminates."""
+    return sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
+
+
+def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    if not sock.closed:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+    monitor.close(linger=0)
+
+
+def handshake_failure_reason(event: int, value: int) -> str | None:
+    """The refusal reason of a monitor event, None when it is not counted: HANDSHAKE_FAILED_AUTH
+    follows a ZAP refusal, already counted as unknown_key by the ZAP callback."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return None
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return "no_curve"
+    if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return "handshake"
+    return None
+
+
+class HandshakeFailures:
+    """Turns one bound socket's monitor events into refusals: `on_event(event)` calls
+    `on_refused(reason, "")` for each counted failure and logs the first failure, then at most one
+    line per `log_every_s` with the count since the last line (libzmq does not name the peer)."""
+
+    def __init__(self, what: str, on_refused: OnRefused, *, log_every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what  # e.g. "control socket tcp://0.0.0.0:5555"
+        self.on_refused = on_refused
+        self.log_every_s = log_every_s
+        self.clock = clock
+        self._last_log: float | None = None
+        self._unlogged = 0
+
+    def on_event(self, event: dict) -> str | None:
+        """Count one monitor message (from `recv_monitor_message`); returns its reason, if counted."""
+        reason = handshake_failure_reason(int(event["event"]), int(event["value"]))
+        if reason is None:
+            return None
+        self.on_refused(reason, "")
+        self._unlogged += 1
+        now = self.clock()
+        if self._last_log is None or now - self._last_log >= self.log_every_s:
+            if self._last_log is None:
+                log.warning("%s refused a peer: ZMQ handshake failed (%s; a plain peer without the CURVE "
+                            "keys, or keys of another key directory)", self.what, reason)
+            else:
+                log.warning("%s refused %d more ZMQ handshakes in the last %.0f s (latest: %s)", self.what,
+                            self._unlogged, now - self._last_log, reason)
+            self._last_log, self._unlogged = now, 0
+        return reason
 
 
 def _start_zap_thread(ctx: zmq.Context, retry_s: float = 2.0) -> ThreadAuthenticator:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,9 +34,18 @@ from typing import Any
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.kvtransfer.cuda_ipc import CudaIpcTransport
-from pdserve.kvtransfer.curve import CurveKeys
+from pdserve.kvtransfer.curve import (
+    SOCKET_REFUSAL_REASONS,
+    CurveKeys,
+    HandshakeFailures,
+    apply_server,
+    close_monitor,
+    forget_domain,
+    monitor_handshakes,
+)
 from pdserve.kvtransfer.layout import blocks_error, check_pool, ready_error
 from pdserve.kvtransfer.messages import (
     Handshake,
@@ -49,7 +59,7 @@ from pdserve.kvtransfer.messages import (
     MessageError,
 )
 from pdserve.kvtransfer.shm import SharedMemoryTransport
-from pdserve.kvtransfer.sockets import KV_MAX_BYTES, drain, endpoint, make_socket, send_msg
+from pdserve.kvtransfer.sockets import KV_MAX_BYTES, _wildcard_port, drain, endpoint, make_socket, send_msg
 from pdserve.kvtransfer.transport import KVTransport, Outcome, TransferState
 from pdserve.kvtransfer.zmq_pull import ZmqPullTransport
 
@@ -116,13 +126,63 @@ class KVReceiver:
         self.clock = clock
         # enable_shm=False keeps only the transports that do not read a peer's pool (ZMQ).
         self.transports = [t(layout, kv_buffer) for t in transports if enable_shm or not t.reads_peer_pool]
-        self.sock = make_socket(zmq.ROUTER, bind=bind_addr, max_msg_bytes=max_frame_bytes, curve=curve)
+        self._refusals: Counter[str] = Counter({reason: 0 for reason in SOCKET_REFUSAL_REASONS})
+        self._refusals_lock = threading.Lock()  # the ZAP thread counts too
+        self._monitor: zmq.Socket | None = None
+        self._zap_domain: str | None = None
+        self.sock = self._bind(bind_addr, max_frame_bytes, curve)
         self.kv_addr = endpoint(self.sock)
         self.num_transfers: Counter[str] = Counter()  # transfers done, by transport name
         self.num_bytes: Counter[str] = Counter()  # KV bytes moved into our pool, by transport name
         self._peers: dict[bytes, _PrefillPeer] = {}
         self._incoming: dict[str, _Incoming] = {}
         self._events: list[KVEvent] = []  # produced outside poll(), reported by the next poll()
+
+    def _bind(self, bind_addr: str, max_frame_bytes: int, curve: CurveKeys | None) -> zmq.Socket:
+        """The ROUTER socket, bound; with `curve` a CURVE server with its own ZAP domain (refused
+        keys counted here) and a monitor for the handshakes libzmq fails without asking ZAP."""
+        sock = make_socket(zmq.ROUTER, max_msg_bytes=max_frame_bytes)
+        try:
+            if curve is not None:
+                self._zap_domain = apply_server(sock, curve, on_refused=self._count_refusal)
+                self._handshakes = HandshakeFailures(f"decode node {self.node_id} KV socket", self._count_refusal)
+                self._monitor = monitor_handshakes(sock)
+            sock.bind(_wildcard_port(bind_addr))
+        except BaseException:
+            self._close_socket(sock)
+            raise
+        return sock
+
+    def _count_refusal(self, reason: str, peer: str) -> None:
+        with self._refusals_lock:
+            self._refusals[reason] += 1
+
+    @property
+    def auth_refusals(self) -> dict[str, int]:
+        """Peers refused on the KV socket, by reason: handshake attempts (a refused peer retries about
+        every 100 ms). Safe to read from another thread; monitor events count once `poll` ran."""
+        with self._refusals_lock:
+            return dict(self._refusals)
+
+    def _poll_monitor(self, limit: int = 1000) -> None:
+        """Count the failed handshakes the monitor reported (never blocks; the node loop's thread)."""
+        if self._monitor is None:
+            return
+        for _ in range(limit):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handshakes.on_event(event)
+
+    def _close_socket(self, sock: zmq.Socket) -> None:
+        if self._monitor is not None:
+            close_monitor(sock, self._monitor)
+            self._monitor = None
+        sock.close(linger=500)  # let goodbyes out; close() itself does not wait
+        if self._zap_domain is not None:
+            forget_domain(sock.context, self._zap_domain)
+            self._zap_domain = None
 
     @property
     def num_shm_copies(self) -> int:
@@ -140,6 +200,7 @@ class KVReceiver:
 
     # ---- the node's calls ---------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[KVEvent]:
+        self._poll_monitor()
         events, self._events = self._events, []
         if self.sock.poll(0 if events else timeout_ms):
             for identity, msg, frames in drain(self.sock):
@@ -190,7 +251,7 @@ class KVReceiver:
         for request_id in list(self._incoming):
             self.release(request_id, "decode node shutting down")
         self._peers.clear()
-        self.sock.close(linger=500)  # let those goodbyes out; close() itself does not wait
+        self._close_socket(self.sock)
 
     # ---- incoming -------------------------------------------------------------------------
     def _handle(self, identity: bytes, msg: Message, frames: list) -> KVEvent | None:

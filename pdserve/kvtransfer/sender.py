@@ -12,6 +12,8 @@ A request handed to `send` is held under a lease from that moment:
                        ├─ lease expires ──────────────────────────────▶ released + on_error
                        ├─ abort() / close() ─────────────────────────▶ released
                        └─ HandshakeAck(ok=False) from its decode node ─▶ released + on_error
+    send() to an address that cannot be connected, or beyond loopback without CURVE keys (and
+    without `insecure`) ────────────────────────────────────────────────▶ released + on_error
 
 Ownership: the prefill node's block manager allocated the blocks; from `send` on, this class owns
 them and calls `release(request_id)` exactly once per request (the `LeaseTable` guarantees it),
@@ -36,6 +38,7 @@ import zmq
 
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.curve import CurveKeys
+from pdserve.kvtransfer.exposure import exposure_message, is_local
 from pdserve.kvtransfer.layout import check_pool, ready_error
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.messages import (
@@ -81,7 +84,8 @@ class KVSender:
     def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, release: Callable[[str], None],
                  *, lease_s: float = 30.0, shm_pool: SharedKVPool | None = None, probe_token: str = "",
                  clock: Callable[[], float] = time.monotonic, curve: CurveKeys | None = None,
-                 faults: PayloadFaults | None = None, on_error: Callable[[str, str], None] | None = None):
+                 faults: PayloadFaults | None = None, on_error: Callable[[str, str], None] | None = None,
+                 insecure: bool = False):
         check_pool(layout, kv_buffer)
         if shm_pool is not None:  # the CPU same-host path: peers on this machine map the segment
             if shm_pool.tensor.data_ptr() != kv_buffer.data_ptr():
@@ -99,6 +103,7 @@ class KVSender:
         self.num_bytes_sent = 0
         self._release_cb = release
         self._curve = curve  # CURVE client keys for the connections to decode nodes
+        self._insecure = insecure  # --insecure: plain TCP to decode nodes beyond loopback allowed
         self._leases = LeaseTable(self._released, lease_s, clock)
         self._requests: dict[str, tuple[_DecodePeer, KVReady]] = {}
         self._peers: dict[tuple[str, str], _DecodePeer] = {}  # (decode node id, kv addr) → peer
@@ -117,6 +122,12 @@ class KVSender:
         error = ready_error(ready, self.layout)
         if error is not None:
             raise ValueError(error)
+        refusal = self._exposure_error(decode_kv_addr)
+        if refusal is not None:  # prompts and KV in clear beyond this machine: refused like an unreachable node
+            log.error("KV hand-off of %s to decode node %s refused: %s", ready.request_id, decode_node_id, refusal)
+            self._release_cb(ready.request_id)
+            self._report(ready.request_id, refusal)
+            return
         try:
             peer = self._peer(decode_node_id, decode_kv_addr)
         except zmq.ZMQError as e:  # a bad address from the router: the hand-off fails, we still own the blocks
@@ -165,11 +176,22 @@ class KVSender:
             self._drop_peer(peer)
 
     # ---- peers ----------------------------------------------------------------------------
+    def _exposure_error(self, addr: str) -> str | None:
+        """Defence in depth (the node's start-up check covers its own flags, not the addresses the
+        router sends later): without CURVE keys or --insecure, no KV to a decode node beyond
+        loopback. An address that is not a ZMQ endpoint at all is left to the connect to refuse."""
+        if self._curve is not None or self._insecure or "://" not in addr or is_local(addr):
+            return None
+        return exposure_message(addr, "KV socket of a decode node", connect=True)
+
     def _peer(self, decode_node_id: str, addr: str) -> _DecodePeer:
         peer = self._peers.get((decode_node_id, addr))
         if peer is None:
             sock = make_socket(zmq.DEALER, connect=addr, identity=self._identity, max_msg_bytes=CONTROL_MAX_BYTES,
                                curve=self._curve)
+            if self._curve is None and not is_local(addr):  # only with insecure (see _exposure_error)
+                log.warning("KV to decode node %s at %s without CURVE authentication or encryption (--insecure)",
+                            decode_node_id, addr)
             peer = _DecodePeer(decode_node_id, addr, sock)
             self._peers[(decode_node_id, addr)] = peer
             self._poller.register(sock, zmq.POLLIN)

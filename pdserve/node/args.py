@@ -1,9 +1,12 @@
 """The flags every serving node takes, whatever its role, and what is read from them before the
-model loads (the CURVE keys)."""
+model loads (the exposure check, the CURVE keys)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+
+from pdserve.kvtransfer.exposure import INSECURE_HELP, check_or_warn, node_sockets
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +30,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                         help="authenticate and encrypt ZMQ traffic with the CURVE keys in DIR, made by `pdserve keys DIR` "
                              "(default: off)")
+    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     parser.add_argument("--log-level", default="INFO", help="(default: %(default)s)")
     # node.faults.FaultInjection; the role parsers add --kv-pull-delay-s (decode), --inject-kv-fault (prefill)
     parser.add_argument("--step-delay-s", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow device
@@ -40,3 +44,10 @@ def load_curve_keys(args: argparse.Namespace):
     from pdserve.kvtransfer.curve import CurveKeys
 
     return CurveKeys.load(args.zmq_curve_keys)
+
+
+def check_exposure(args: argparse.Namespace, logger: logging.Logger) -> None:
+    """Refuse (InsecureExposureError, one line) a node whose router link or decode KV socket is
+    reachable beyond this machine without --zmq-curve-keys or --insecure; with --insecure, log
+    the warning. Call before anything loads."""
+    check_or_warn(node_sockets(args), getattr(args, "zmq_curve_keys", None), args.insecure, logger)

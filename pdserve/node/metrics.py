@@ -4,6 +4,8 @@ same snapshots feed the periodic stats line (node.stats).
 Most of them are read from the node's state when Prometheus scrapes (`NodeSnapshot`, taken by the
 node's `metrics_snapshot()` in the status thread), so the engine loop pays nothing per step. The
 KV transfer histograms are observed when a transfer ends (decode side: pull start → "done").
+A decode node also exports the peers its KV socket refused (`pdserve_auth_refusals_total{reason}`,
+counted by its KVReceiver; see kvtransfer.curve for the reasons).
 Every series carries `node_id` and `role` labels; names follow vLLM's where it has the metric.
 One `CollectorRegistry` per node object, never the global one, so in-process tests can hold many.
 """
@@ -40,6 +42,7 @@ class NodeSnapshot:
     num_zmq_transfers: int = 0  # decode: transfers pulled over ZMQ
     num_prompt_tokens: int = 0  # prompt positions whose KV a forward computed here (prefix hits excluded)
     num_generation_tokens: int = 0  # tokens sampled here
+    auth_refusals: dict[str, int] | None = None  # decode: peers refused on the CURVE KV socket, by reason
 
 
 def engine_snapshot(engine, **transfer) -> NodeSnapshot:
@@ -122,3 +125,10 @@ class NodeStateCollector:
         transfers.add_metric([*self._labels, "shm"], snap.num_shm_transfers)
         transfers.add_metric([*self._labels, "zmq"], snap.num_zmq_transfers)
         yield transfers
+        if snap.auth_refusals is not None:  # a node with a bound socket (decode): its KV socket
+            refusals = CounterMetricFamily("pdserve_auth_refusals", "Peers refused on the node's CURVE KV "
+                                           "socket (handshake attempts), by reason: unknown_key, no_curve, "
+                                           "handshake", labels=["node_id", "role", "reason"])
+            for reason, count in snap.auth_refusals.items():
+                refusals.add_metric([*self._labels, reason], count)
+            yield refusals

@@ -1,6 +1,7 @@
 """A node process's life, whatever its role (`run_node`):
 
-    parse flags, logging ─▶ fault hook, stop handlers, CURVE keys, node id, served model name
+    parse flags, logging ─▶ fault hook, exposure check (exit 2: an exposed socket without keys),
+      stop handlers, CURVE keys, node id, served model name
       ─▶ status server up (/health 503: a health check sees "loading", not a refused port)
       ─▶ the role's `build(setup)`: engine, KV endpoint, RouterLink, node   (prefill/, decode/)
       ─▶ warm-up ─▶ status server ready (/health 200)
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from pdserve.engine.loader import served_model_name
-from pdserve.node.args import load_curve_keys
+from pdserve.kvtransfer.exposure import InsecureExposureError
+from pdserve.node.args import check_exposure, load_curve_keys
 from pdserve.node.faults import FaultInjection
 from pdserve.node.messages import register_message
 from pdserve.node.router_link import RouterLink, advertise_host
@@ -85,6 +88,11 @@ def run_node(parser: argparse.ArgumentParser, build: Callable[[NodeSetup], Node]
         faults = FaultInjection.from_args(args)
     except ValueError as e:
         parser.error(str(e))
+    try:  # before the keys and the model load, so the refusal is immediate
+        check_exposure(args, logger)
+    except InsecureExposureError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     stop = install_stop_handlers()
     curve = load_curve_keys(args)
     node_id = args.node_id or f"{args.role}-{uuid.uuid4().hex[:8]}"

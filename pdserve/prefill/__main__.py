@@ -60,7 +60,7 @@ def build_node(setup):
         def make_sender(release, on_error):
             sender = KVSender(setup.node_id, kv_layout(engine, setup.served_model_name), engine.runner.kv_buffer,
                               release, lease_s=args.lease_s, shm_pool=shm_pool, curve=setup.curve,
-                              faults=setup.faults, on_error=on_error)
+                              faults=setup.faults, on_error=on_error, insecure=args.insecure)
             return setup.close_later(sender)
 
     return PrefillNode(engine, link, role=args.role, make_sender=make_sender, max_queue_len=args.max_queue_len,

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from aiohttp import web
 
 from pdserve.engine.loader import DEFAULT_MODEL_ALIAS, served_model_name
+from pdserve.kvtransfer.exposure import INSECURE_HELP, InsecureExposureError, check_or_warn, router_sockets
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S
 from pdserve.router.registry import DEFAULT_MAX_QUEUE
 
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
                    help="authenticate and encrypt the control socket with the CURVE keys in DIR, made by "
                         "`pdserve keys DIR` (default: plain TCP)")
+    p.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     p.add_argument("--instance-id", default=None, metavar="ID",
                    help="an id GET /health answers, so that a launcher can tell this router from another "
                         "process on the port (default: a random uuid4 hex)")
@@ -67,13 +70,19 @@ def load_tokenizer(model: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # before the tokenizer loads, so the refusal is immediate
+        check_or_warn(router_sockets(args), args.zmq_curve_keys, args.insecure, logger)
+    except InsecureExposureError as e:
+        print(f"pdserve router: error: {e}", file=sys.stderr)
+        return 2
+
     from pdserve.kvtransfer.curve import CurveKeys
     from pdserve.router.access_log import RouterAccessLogger
     from pdserve.router.app import create_app
     from pdserve.router.router import Router
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     curve = CurveKeys.load(args.zmq_curve_keys) if args.zmq_curve_keys else None
     router = Router(load_tokenizer(args.model), served_model_name(args.model, args.served_model_name),
                     control_addr=args.control_addr, heartbeat_timeout_s=args.heartbeat_timeout,

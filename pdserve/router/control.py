@@ -16,6 +16,21 @@ router sends on it, and who decides to:
 
 Sends never block: a node that stopped reading, or one that is not connected, makes the send
 fail (ROUTER_MANDATORY), and the caller decides what that means.
+
+With CURVE keys (kvtransfer.curve) the socket is a CURVE server and:
+
+  - every message is received with copy=False so its connection's ZMQ "User-Id" is known: the
+    z85 public key the peer authenticated with (pyzmq's authenticator sets it). The handler gets
+    it as `peer_key` (None without CURVE), which is what binds a node id to a key (handlers.py).
+  - ROUTER_HANDOVER is off: a second connection presenting a routing id already connected (a
+    node id, by convention) is ignored by libzmq instead of taking that id over, so a holder of
+    another allowed key cannot divert what the router sends to a live node. The price: a
+    restarted node gets its routing id back only once libzmq has dropped the old connection,
+    which is at once when the old process exited (the kernel closes its socket), but not for a
+    connection cut without a FIN or RST (a host that lost power) until TCP gives up on it.
+  - refused peers are counted through `on_refused(reason, peer)`: `unknown_key` from the ZAP
+    thread, `no_curve` / `handshake` from the socket's monitor, read by a task of the loop
+    (`monitor_loop`); the first of those is logged, then one line a minute at most.
 """
 
 from __future__ import annotations
@@ -25,52 +40,78 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
+from pdserve.kvtransfer.curve import (
+    HandshakeFailures,
+    OnRefused,
+    apply_server,
+    close_monitor,
+    monitor_handshakes,
+    stop_authenticator,
+)
 from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
-from pdserve.kvtransfer.sockets import endpoint, make_socket
+from pdserve.kvtransfer.sockets import _wildcard_port, endpoint, make_socket
 
 logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + (64 << 10)  # a peer that sends a bigger frame is dropped by libzmq
-MessageHandler = Callable[[bytes, Message], Awaitable[None]]  # (sender identity, message)
+# (sender identity, message, the sender's CURVE public key in z85, or None without CURVE)
+MessageHandler = Callable[[bytes, Message, "str | None"], Awaitable[None]]
 
 
 class ControlSocket:
     """The bound ROUTER socket, its receive loop and its sends. `addr` is the address really bound
     (the port chosen for ":0"), once `open` ran."""
 
-    def __init__(self, bind_addr: str, *, curve=None) -> None:
+    def __init__(self, bind_addr: str, *, curve=None, on_refused: OnRefused | None = None) -> None:
         self.bind_addr = bind_addr
         self.curve = curve  # kvtransfer.curve.CurveKeys: only nodes holding the cluster's keys get in
+        self.on_refused = on_refused or (lambda reason, peer: None)  # (reason, peer): may run in the ZAP thread
         self.addr = ""
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
 
     def open(self) -> str:
         """Bind the socket; returns the bound address."""
         self._ctx = zmq.asyncio.Context()
         try:
             # hwm=None: libzmq's default queues (1000 messages per peer); past them a send fails (NOBLOCK)
-            self._sock = make_socket(zmq.ROUTER, bind=self.bind_addr, max_msg_bytes=MAX_FRAME_BYTES,
-                                     hwm=None, curve=self.curve, ctx=self._ctx)
+            self._sock = make_socket(zmq.ROUTER, max_msg_bytes=MAX_FRAME_BYTES, hwm=None, ctx=self._ctx)
+            if self.curve is not None:
+                apply_server(self._sock, self.curve, on_refused=self.on_refused)
+                self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # see the module docstring
+                self._monitor = monitor_handshakes(self._sock)
+            self._sock.bind(_wildcard_port(self.bind_addr))
         except BaseException:
-            self._term_context()
+            self.close()
             raise
         self.addr = endpoint(self._sock)
         return self.addr
 
     def close(self) -> None:
         if self._sock is not None:
+            if self._monitor is not None:
+                close_monitor(self._sock, self._monitor)
+                self._monitor = None
             self._sock.close(linger=0)
             self._sock = None
         self._term_context()
+
+    async def monitor_loop(self) -> None:
+        """Count the handshakes libzmq failed on the socket (CURVE only; returns at once without),
+        until cancelled."""
+        if self._monitor is None:
+            return
+        failures = HandshakeFailures(f"router control socket {self.addr}", self.on_refused)
+        while True:
+            failures.on_event(await recv_monitor_message(self._monitor))
 
     def _term_context(self) -> None:
         if self._ctx is None:
             return
         if self.curve is not None:
-            from pdserve.kvtransfer.curve import stop_authenticator
-
             stop_authenticator(self._ctx)  # before term(), which would wait for it forever
         self._ctx.term()
         self._ctx = None
@@ -78,9 +119,11 @@ class ControlSocket:
     async def recv_loop(self, handle: MessageHandler) -> None:
         """Receive messages one at a time and await `handle` on each, until cancelled."""
         while True:
-            frames = await self._sock.recv_multipart()
+            parts = await self._sock.recv_multipart(copy=False)
+            frames = [part.bytes for part in parts]
+            peer_key = _user_id(parts[-1]) if self.curve is not None else None
             try:
-                await handle(*_decode(frames))
+                await handle(*_decode(frames), peer_key)
             except MessageError as e:
                 logger.warning("dropped a message from %r: %s", frames[0][:64], e)
             except Exception:  # a bug handling one message must not stop the router
@@ -100,6 +143,15 @@ class ControlSocket:
         except zmq.ZMQError as e:
             logger.log(log_level, "cannot send %s to node %s: %s", msg.TYPE, node_id, e)
             return False
+
+
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZMQ "User-Id" of the connection a frame came from: the z85 CURVE public key that the
+    ZAP authenticator admitted. None if libzmq has none (it always has one behind CURVE + ZAP)."""
+    try:
+        return frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
 
 
 def _decode(frames: list[bytes]) -> tuple[bytes, Message]:

@@ -12,6 +12,27 @@
                 otherwise it fails (500, or an error event once streaming)
     anything else, garbage, wrong frame count: logged and dropped (control.py)
 
+Identity binding (CURVE only; without keys there is nothing to bind). control.py hands every
+message over with `peer_key`, the z85 public key its connection authenticated with. The first
+Register of a node id binds that id to its key, in `Router.node_keys`, for the router's lifetime:
+the binding follows the key, not the process, so a node that restarts with the same key gets its
+id back (a new pid re-dispatches what the old process held, as without keys). A message claiming
+a node id bound to another key is dropped, logged at WARNING once per (node id, key) and counted
+as `pdserve_auth_refusals_total{reason="node_id_taken"}`, before any handler runs:
+
+    Register, Heartbeat, Deregister, TokenBatch, Error   claim their `node_id`
+    FirstToken                                            claims the request's prefill node
+
+so a refused Register is not registered and gets no answer, and nothing else sent under that id
+(heartbeats, tokens, errors, a Deregister) has any effect. A TokenBatch must also name a node of
+each request it carries a token for, so a node cannot push tokens into another node's requests
+under its own id. If the message came through the routing id the registered node was reached by
+(its connection is gone and another key's took the id), the node is dropped as lost, so nothing
+more is sent there. The limit: the key is the identity. Nodes that share one client key (the
+default `pdserve keys` layout: every node gets client.key_secret) are one trust domain, any of
+them may speak for any of their ids; binding tells apart nodes with distinct keys (each node its
+own keypair, every public `.key` copied into the router's key directory).
+
 `NodeMessages` is one part of `Router` (router.py): one handler per message, on the router's state.
 """
 
@@ -53,16 +74,55 @@ class NodeMessages:
     parked: dict[str, tuple[RouterRequest, float, str]]
     metrics: RouterMetrics
     control: ControlSocket
+    curve: object  # kvtransfer.curve.CurveKeys, or None
+    node_keys: dict[str, str]  # CURVE only: node id → the z85 public key it registered with
+    _taken_logged: set[tuple[str, str]]  # (node id, key) whose node_id_taken refusal was logged
     _reregister_sent: dict[str, float]  # node id → when we last asked it to register
 
     _HANDLERS = {Register: "_on_register", Heartbeat: "_on_heartbeat", Deregister: "_on_deregister",
                  FirstToken: "_on_first_token", TokenBatch: "_on_token_batch", Error: "_on_error"}
 
-    async def _on_message(self, identity: bytes, msg: Message) -> None:
+    async def _on_message(self, identity: bytes, msg: Message, peer_key: str | None = None) -> None:
         name = self._HANDLERS.get(type(msg))
         if name is None:
             raise MessageError(f"a {msg.TYPE} message is not for the router")
+        if peer_key is not None and not await self._key_may_speak(identity, msg, peer_key):
+            return
         await getattr(self, name)(identity, msg)
+
+    def _claimed_node_id(self, msg: Message) -> str | None:
+        if isinstance(msg, FirstToken):
+            req = self.requests.get(msg.request_id)
+            return req.prefill_node_id if req is not None else None  # unknown: dropped by its handler
+        return msg.node_id
+
+    async def _key_may_speak(self, identity: bytes, msg: Message, peer_key: str) -> bool:
+        """Identity binding (module docstring): bind on a first Register; False (counted, logged
+        once per (node id, key)) when the node id is bound to another key."""
+        node_id = self._claimed_node_id(msg)
+        if node_id is None:
+            return True
+        bound = self.node_keys.get(node_id)
+        if bound is None:
+            if isinstance(msg, Register):
+                self.node_keys[node_id] = peer_key
+                logger.info("node id %s bound to CURVE key %s", node_id, peer_key)
+            return True
+        if bound == peer_key:
+            return True
+        self.metrics.observe_auth_refusal("node_id_taken")
+        if (node_id, peer_key) not in self._taken_logged:
+            self._taken_logged.add((node_id, peer_key))
+            logger.warning("refused %s for node %s from CURVE key %s: that node id is bound to key %s "
+                           "(logged once per node id and key)", msg.TYPE, node_id, peer_key, bound)
+        node = self.registry.nodes.get(node_id)
+        if node is not None and node.identity == identity:
+            # The node's own connection is gone and another key's took its routing id: whatever the
+            # router sends to the node would go there.
+            self.registry.remove(node_id)
+            logger.warning("node %s dropped: its routing id is held by a connection with another key", node_id)
+            await self._node_lost(node, f"node {node_id}'s connection was taken over")
+        return False
 
     async def _on_register(self, identity: bytes, msg: Register) -> None:
         if msg.role not in ROLES:
@@ -131,8 +191,11 @@ class NodeMessages:
     async def _on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
         for token in msg.tokens:
             req = self.requests.get(token.request_id)
-            if req is not None:
-                await self._deliver(req, token)
+            if req is None:
+                continue
+            if self.curve is not None and msg.node_id not in req.node_ids:
+                continue  # identity binding: not this node's request (module docstring)
+            await self._deliver(req, token)
 
     async def _on_error(self, identity: bytes, msg: Error) -> None:
         req = self.requests.get(msg.request_id)

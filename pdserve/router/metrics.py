@@ -10,6 +10,9 @@ When each is recorded, and why there:
     request ended            e2e latency, TPOT, ITL, generation tokens, success by finish reason
     error returned           errors by HTTP status (a 4xx/5xx response or an SSE error event)
     request re-dispatched    retries (a node died, a KV transfer failed)
+    peer refused             auth refusals by reason (control socket: unknown_key from the ZAP
+                             thread, no_curve / handshake from its monitor; node_id_taken from
+                             the handlers); prometheus_client counters are thread-safe
     scrape                   requests in flight, live nodes per role      (read from the router)
 
 ITL is observed from `RequestTiming.token_times` when the request ends, not per token: the
@@ -24,6 +27,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.kvtransfer.curve import AUTH_REFUSAL_REASONS
 from pdserve.router.request_state import RouterRequest
 
 # vLLM's buckets, with a few lower ones added: CPU nodes on tiny models answer in milliseconds.
@@ -60,6 +64,12 @@ class RouterMetrics:
                                          registry=r)
         self.retries = Counter("pdserve_request_retries", "Requests re-dispatched after a node died or a KV "
                                "transfer failed", registry=r)
+        self.auth_refusals = Counter("pdserve_auth_refusals", "Peers refused on the CURVE control socket "
+                                     "(handshake attempts: unknown_key, no_curve, handshake) and node "
+                                     "messages under a node id bound to another key (node_id_taken)",
+                                     ["reason"], registry=r)
+        for reason in AUTH_REFUSAL_REASONS:  # every series exists from the start, at 0
+            self.auth_refusals.labels(reason=reason)
 
     def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """Scrape-time gauges: requests in flight, and (role, ready) of every live node."""
@@ -97,6 +107,10 @@ class RouterMetrics:
 
     def observe_retry(self) -> None:
         self.retries.inc()
+
+    def observe_auth_refusal(self, reason: str) -> None:
+        """Any thread (the ZAP authenticator's included)."""
+        self.auth_refusals.labels(reason=reason).inc()
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(code=str(status)).inc()

@@ -19,7 +19,11 @@ handlers into `req.deltas`, and `release` aborts it on the nodes if the client l
 ended. Failures (see "Failure handling" in the README) end in a re-dispatch (redispatch.py) or an
 error in `req.deltas`.
 
-`self.metrics` (router/metrics.py) records a request's first token, its end, errors and retries.
+`self.metrics` (router/metrics.py) records a request's first token, its end, errors and retries,
+and the peers the control socket refused (`pdserve_auth_refusals_total{reason}`).
+
+With CURVE keys, `self.node_keys` binds each node id to the public key it first registered with,
+for the router's lifetime (handlers.py has the rules).
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ class Router(NodeMessages, Redispatch, Monitor):
         self.parked: dict[str, tuple[RouterRequest, float, str]] = {}  # request id → (req, wait until, why)
         self.lost_after_s = lost_after_s if lost_after_s is not None else 2 * heartbeat_timeout_s
         self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate and encrypt the control socket
-        self.control = ControlSocket(control_addr, curve=curve)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.control = ControlSocket(control_addr, curve=curve, on_refused=self._on_auth_refused)
         self.requests: dict[str, RouterRequest] = {}  # in flight (dispatched, not ended), by wire id
         self._reregister_sent: dict[str, float] = {}  # node id → when we last asked it to register
-        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.node_keys: dict[str, str] = {}  # CURVE only: node id → the z85 public key it registered with
+        self._taken_logged: set[tuple[str, str]] = set()  # (node id, key) refusals already logged
         self.metrics.watch(lambda: len(self.requests) + len(self.parked),
                            lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
         self._tasks: list[asyncio.Task] = []
@@ -78,6 +84,7 @@ class Router(NodeMessages, Redispatch, Monitor):
     async def start(self) -> None:
         self.control.open()
         self._tasks = [asyncio.create_task(self.control.recv_loop(self._on_message)),
+                       asyncio.create_task(self.control.monitor_loop()),
                        asyncio.create_task(self._monitor_loop())]
         logger.info("router control socket bound at %s", self.control_addr)
 
@@ -91,6 +98,10 @@ class Router(NodeMessages, Redispatch, Monitor):
                 await task
         self._tasks = []
         self.control.close()
+
+    def _on_auth_refused(self, reason: str, peer: str) -> None:
+        """The control socket refused a peer (any thread: the ZAP callback runs in its own)."""
+        self.metrics.observe_auth_refusal(reason)
 
     def is_healthy(self) -> bool:
         return self.registry.is_healthy()

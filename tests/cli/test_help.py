@@ -72,3 +72,14 @@ def test_serve_help_shows_defaults_and_the_engine_flags_it_forwards():
     for flag in ("--max-num-seqs", "--block-size", "--max-num-batched-tokens", "--enable-prefix-caching",
                  "--kv-cache-memory-gb", "--dtype", "--device", "--seed"):
         assert flag in out, flag
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", ["router", "prefill", "decode"])
+def test_insecure_flag_says_what_it_allows_and_when(name, capsys):
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    assert "--insecure" in out
+    for words in ("without CURVE keys", "register as a node", "trusted, isolated network", "warning", "default: off"):
+        assert words in out, words

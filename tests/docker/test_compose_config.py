@@ -51,13 +51,78 @@ def test_nodes_can_scale():
 
 
 def test_every_long_running_service_has_a_health_check():
+    one_shot = ("model-init", "keys")
     for name, service in services().items():
-        if name != "model-init":
+        if name not in one_shot:
             assert "healthcheck" in service, name
-    init = services()["model-init"]
     for name in ("router", *NODE_SERVICES):
-        assert services()[name]["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
-    assert init["restart"] == "no"
+        for init in one_shot:
+            assert services()[name]["depends_on"][init]["condition"] == "service_completed_successfully", (name, init)
+    for init in one_shot:
+        assert services()[init]["restart"] == "no", init
+
+
+def test_keys_service_creates_the_curve_keys_once():
+    """`keys` writes them into the named volume unless they are there; router and nodes mount it
+    read-only and use it; the images own /keys so a fresh volume inherits that ownership."""
+    svc = services()
+    keys = svc["keys"]
+    script = keys["entrypoint"][-1]
+    assert keys["entrypoint"][:2] == ["sh", "-c"]
+    assert "test -f /keys/server.key_secret" in script and "pdserve keys /keys" in script
+    assert "curve-keys:/keys" in keys["volumes"]
+    assert "curve-keys" in load_yaml(COMPOSE_FILE)["volumes"]
+    for name in ("router", *NODE_SERVICES):
+        assert "curve-keys:/keys:ro" in svc[name]["volumes"], name
+        assert flag_value(svc[name]["command"], "--zmq-curve-keys") == "/keys", name
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (DOCKER_DIR / dockerfile).read_text()
+        assert "mkdir -p /cache /keys" in text and "chown pdserve /cache /keys" in text, dockerfile
+
+
+def exposed(argv: list[str]) -> bool:
+    """A compose command that binds 0.0.0.0 or connects to the router by its service name."""
+    return "0.0.0.0" in argv or any(a.startswith("tcp://0.0.0.0") for a in argv) or "tcp://router:5555" in argv
+
+
+@pytest.mark.parametrize("path", [COMPOSE_FILE, GPU_COMPOSE_FILE], ids=["cpu", "gpu"])
+def test_every_exposed_service_has_curve_keys(path):
+    """Every pdserve command reachable beyond its container's loopback runs with --zmq-curve-keys
+    (or --insecure, said out loud): otherwise pdserve itself would refuse to start it."""
+    checked = []
+    for name, service in services(path).items():
+        argv = service.get("command") or []
+        if isinstance(argv, list) and exposed(argv):
+            assert "--zmq-curve-keys" in argv or "--insecure" in argv, name
+            checked.append(name)
+    assert set(NODE_SERVICES) <= set(checked)
+    if path == COMPOSE_FILE:
+        assert "router" in checked
+
+
+def test_compose_commands_pass_the_exposure_check():
+    """The same check the processes make at start (pdserve.kvtransfer.exposure), on the commands
+    as written: they bind 0.0.0.0 and connect to tcp://router:5555, so only their keys let them
+    start; without `--zmq-curve-keys` each would be refused."""
+    from pdserve.decode.__main__ import build_parser as decode_parser
+    from pdserve.kvtransfer.exposure import InsecureExposureError, check_sockets, node_sockets, router_sockets
+    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.router.cli import build_parser as router_parser
+
+    roles = {"router": (router_parser, router_sockets), "prefill": (prefill_parser, node_sockets),
+             "decode": (decode_parser, node_sockets)}
+    for path in (COMPOSE_FILE, GPU_COMPOSE_FILE):
+        for name, service in services(path).items():
+            if name not in roles or "command" not in service:  # the GPU file keeps the base file's router
+                continue
+            make_parser, sockets = roles[name]
+            role, *argv = service["command"]
+            assert role == name
+            args = make_parser().parse_args(argv)
+            check_sockets(sockets(args), args.zmq_curve_keys, args.insecure)
+            args.zmq_curve_keys = None
+            with pytest.raises(InsecureExposureError):
+                check_sockets(sockets(args), None, False)
 
 
 def test_gpu_override_targets_cuda():

@@ -1,8 +1,9 @@
 """docker-compose.yml's router, prefill and decode commands, run as local processes (no Docker):
 router + 2 prefill + 2 decode on a tiny model. Hostnames and fixed ports are rewritten (`router`
-and 0.0.0.0 → 127.0.0.1, 5555/8000/9100/9200 → free ports); everything else is the compose
-command as written. Streaming requests go through the router, then every role's /metrics must
-show the traffic."""
+and 0.0.0.0 → 127.0.0.1, 5555/8000/9100/9200 → free ports), and the `keys` service's volume
+(`/keys`) is a temporary directory holding keys made by `generate_keys`, so the stack runs with
+CURVE as the file says; everything else is the compose command as written. Streaming requests go
+through the router, then every role's /metrics must show the traffic."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cli.serve import free_port
+from pdserve.kvtransfer.curve import generate_keys
 from tests.conftest import save_tiny_model, save_tiny_tokenizer
 from tests.docker.compose import flag_value, services
 
@@ -32,8 +34,12 @@ NUM_PREFILL, NUM_DECODE, NUM_REQUESTS, MAX_TOKENS = 2, 2, 8, 6
 TEST_NODE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--num-threads", "1", "--log-level", "WARNING"]
 
 
-def local_argv(command: list[str], model: str, ports: dict[str, int]) -> list[str]:
-    """A compose `command` (arguments to the `pdserve` entrypoint) as a local process's argv."""
+KEYS_MOUNT = "/keys"  # where the compose services mount the `curve-keys` volume
+
+
+def local_argv(command: list[str], model: str, ports: dict[str, int], keys_dir: Path | None = None) -> list[str]:
+    """A compose `command` (arguments to the `pdserve` entrypoint) as a local process's argv;
+    paths under /keys point into `keys_dir`."""
     values = {"--host": "127.0.0.1", "--model": model, "--port": str(ports["http"]),
               "--control-addr": f"tcp://127.0.0.1:{ports['control']}",
               "--router": f"tcp://127.0.0.1:{ports['control']}"}
@@ -45,6 +51,9 @@ def local_argv(command: list[str], model: str, ports: dict[str, int]) -> list[st
     for flag, value in values.items():
         if flag in argv:
             argv[argv.index(flag) + 1] = value
+    if keys_dir is not None:
+        argv = [str(keys_dir) + a[len(KEYS_MOUNT):] if a == KEYS_MOUNT or a.startswith(KEYS_MOUNT + "/") else a
+                for a in argv]
     return [sys.executable, "-m", "pdserve.cli.main", *argv]
 
 
@@ -97,6 +106,9 @@ class LocalCompose:
         save_tiny_tokenizer(model)
         svc = services()
         check_compose_wiring(svc)
+        self.keys = generate_keys(tmp / "keys")  # what the `keys` service writes into its volume
+        for name in ("router", "prefill", "decode"):
+            assert flag_value(svc[name]["command"], "--zmq-curve-keys") == KEYS_MOUNT, name
         ports = {"http": free_port(), "control": free_port()}
         self.url = f"http://127.0.0.1:{ports['http']}"
         self.procs: list[subprocess.Popen] = []
@@ -108,7 +120,7 @@ class LocalCompose:
                     self._start(svc[name], TEST_NODE_FLAGS, model, ports, tmp, log)
 
     def _start(self, service: dict, extra: list[str], model: Path, ports: dict, tmp: Path, log) -> None:
-        argv = local_argv(service["command"], str(model), ports) + extra
+        argv = local_argv(service["command"], str(model), ports, self.keys) + extra
         self.procs.append(subprocess.Popen(argv, cwd=ROOT, env=local_env(service, tmp / "cache"), stdout=log,
                                            stderr=subprocess.STDOUT, start_new_session=True))
 

@@ -288,3 +288,61 @@ def test_kv_hand_off_without_matching_keys_expires(make_curve_pair, keys, foreig
         expected = "cannot send KVReady"
     pair.released.assert_released_once(["r1"])
     assert [(rid, expected in msg) for rid, msg in pair.errors] == [("r1", True)]
+
+
+@pytest.mark.timeout(30)
+def test_the_kv_socket_counts_refused_peers_by_reason(make_curve_pair, keys, foreign_keys, tmp_path):
+    """A decode node's KV socket counts the prefill peers it refuses: a plain one (no_curve), one
+    with another key directory's keys (handshake: its HELLO is not for our server key) and one
+    whose client key the ZAP handler does not know (unknown_key). A hand-off between key holders
+    counts nothing. The decode node exports the counts (pdserve_auth_refusals_total)."""
+    from pdserve.node.metrics import NodeMetrics, NodeSnapshot
+
+    pair = make_curve_pair(keys, keys)
+    assert kinds(pair.transfer("r1", [5, 2, 9], [3, 1, 6], 37), "done") == ["r1"]
+    assert pair.receiver.auth_refusals == {"unknown_key": 0, "no_curve": 0, "handshake": 0}
+    other_dir = make_keys(tmp_path / "other-dir")
+    # a plain peer is no_curve, or handshake when its side hung up first (a race in libzmq)
+    strangers = {"plain": (None, {"no_curve", "handshake"}), "other-dir": (other_dir, {"handshake"}),
+                 "unknown-key": (foreign_keys, {"unknown_key"})}
+    for name, (stranger_keys, reasons) in strangers.items():
+        before = pair.receiver.auth_refusals
+        sock = make_socket(zmq.DEALER, connect=pair.receiver.kv_addr, identity=name.encode(), curve=stranger_keys)
+        try:
+            send_within(sock, Register(name, "prefill", "tiny").encode(), timeout_s=0.2)
+            deadline = time.monotonic() + 5
+            while not any(pair.receiver.auth_refusals[r] > before[r] for r in reasons):
+                assert time.monotonic() < deadline, f"{name} not counted: {pair.receiver.auth_refusals}"
+                assert not pair.receiver.poll(20)  # nothing of theirs arrives
+        finally:
+            sock.close(0)
+        settle = time.monotonic() + 0.3  # events of attempts still under way when it closed
+        while time.monotonic() < settle:
+            pair.receiver.poll(20)
+        after = pair.receiver.auth_refusals
+        assert {r for r in after if after[r] > before[r]} <= reasons, (name, before, after)
+    metrics = NodeMetrics("d0", "decode")
+    metrics.watch(lambda: NodeSnapshot(0, 0, 0, 1, 0, 0, 0, auth_refusals=pair.receiver.auth_refusals))
+    text = metrics.render().decode()
+    for reason in ("unknown_key", "handshake"):
+        count = pair.receiver.auth_refusals[reason]
+        assert f'pdserve_auth_refusals_total{{node_id="d0",reason="{reason}",role="decode"}} {count:.1f}' in text
+
+
+def test_handshake_failures_map_events_to_reasons_and_log_once_a_minute(caplog):
+    from pdserve.kvtransfer.curve import HandshakeFailures
+
+    clock, counted = FakeClock(), []
+    failures = HandshakeFailures("test socket", lambda reason, peer: counted.append(reason), clock=clock)
+    mismatch = {"event": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "value": zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH}
+    crypto = {"event": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "value": zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC}
+    hung_up = {"event": zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, "value": 32}
+    zap_said_no = {"event": zmq.EVENT_HANDSHAKE_FAILED_AUTH, "value": 400}  # counted by the ZAP callback
+    with caplog.at_level("WARNING", logger="pdserve.kvtransfer.curve"):
+        assert [failures.on_event(e) for e in (mismatch, crypto, hung_up, zap_said_no)] == \
+            ["no_curve", "handshake", "handshake", None]
+        assert counted == ["no_curve", "handshake", "handshake"]
+        assert len(caplog.records) == 1  # the first; the rest within the minute are only counted
+        clock.advance(61)
+        failures.on_event(mismatch)
+        assert len(caplog.records) == 2 and "3 more" in caplog.records[1].getMessage()

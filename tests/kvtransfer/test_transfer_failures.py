@@ -4,13 +4,28 @@ misuse) still ends with the prefill node's blocks released exactly once."""
 import time
 
 import pytest
+import torch
 import zmq
 
 from pdserve.kvtransfer import sender as sender_module
+from pdserve.kvtransfer.curve import CurveKeys, generate_keys
 from pdserve.kvtransfer.messages import Handshake, HandshakeAck, KVDone, KVPull
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.sockets import make_socket, recv_msg, send_msg
 
-from .conftest import EveryNthPull, FakeClock, kinds, make_layout, make_ready, recv_msg_within
+from .conftest import (
+    EveryNthPull,
+    FakeClock,
+    ReleaseLog,
+    kinds,
+    make_layout,
+    make_pool,
+    make_ready,
+    pump,
+    recv_msg_within,
+    reference_tokens,
+)
 
 
 @pytest.mark.parametrize("shm", [False, True])
@@ -185,3 +200,65 @@ def test_injected_kv_faults_fail_the_pull_and_release_once(make_pair, kind, pull
     pair.pump(lambda _: pair.sender.num_held == 0)
     assert pair.sender.num_pulls_served == (1 if kind == "drop" else 2)
     pair.released.assert_released_once(["r0", "r1"])
+
+
+# ---- no KV in clear beyond loopback (kvtransfer.exposure) ---------------------------------------
+def _sender(closing, released, errors, **kw) -> KVSender:
+    layout = make_layout()
+    sender = KVSender("p0", layout, make_pool(layout), released, on_error=lambda rid, msg: errors.append((rid, msg)),
+                      **kw)
+    closing(sender)
+    return sender
+
+
+@pytest.mark.parametrize("addr", ["tcp://10.1.2.3:9200", "tcp://decode-1:9200", "tcp://0.0.0.0:9200"])
+def test_exposed_decode_address_without_keys_is_refused_and_releases(closing, addr):
+    """Without CURVE keys (and without --insecure) the sender never opens a plain connection to a
+    decode node beyond loopback: the hand-off fails as for an unreachable node (blocks released
+    once, the error reported so the router re-dispatches), naming the fix."""
+    released, errors = ReleaseLog(), []
+    sender = _sender(closing, released, errors)
+    sender.send("d9", addr, make_ready("r1", [0], 8, 16))
+    released.assert_released_once(["r1"])
+    assert sender.num_held == 0 and not sender._peers  # no socket was opened
+    (rid, msg), = errors
+    assert rid == "r1" and msg.startswith(f"refusing to connect to the KV socket of a decode node at {addr} ")
+    assert "pdserve keys" in msg and "--insecure" in msg
+    sender.send("d9", addr, make_ready("r2", [1], 8, 16))  # every hand-off, not only the first
+    released.assert_released_once(["r1", "r2"])
+
+
+def _exposed_transfer(closing, *, sender_curve=None, receiver_curve=None, insecure=False) -> tuple[list, ReleaseLog]:
+    """A full hand-off to a receiver bound on 0.0.0.0, addressed as tcp://0.0.0.0:PORT (exposed by
+    the rule, yet reachable from here: Linux connects 0.0.0.0 to this machine)."""
+    released, errors = ReleaseLog(), []
+    sender = _sender(closing, released, errors, curve=sender_curve, insecure=insecure)
+    layout = make_layout()
+    receiver = KVReceiver("d0", layout, make_pool(layout, seed=None), bind_addr="tcp://0.0.0.0:0",
+                          curve=receiver_curve)
+    closing(receiver)
+    closing(sender)  # closed first
+    addr = receiver.kv_addr
+    assert addr.startswith("tcp://0.0.0.0:")
+    sender.send("d0", addr, make_ready("r1", [0, 1], 20, 16))
+    pump(sender, receiver, lambda ev: "r1" in kinds(ev, "ready"))
+    receiver.pull("r1", [2, 3])
+    pump(sender, receiver, lambda ev: "r1" in kinds(ev, "done"))
+    pump(sender, receiver, lambda _: sender.num_held == 0)
+    released.assert_released_once(["r1"])
+    assert torch.equal(reference_tokens(receiver.kv_buffer, [2, 3], 20), reference_tokens(sender.kv_buffer, [0, 1], 20))
+    return errors, released
+
+
+def test_exposed_decode_address_with_insecure_is_allowed(closing, caplog):
+    with caplog.at_level("WARNING", logger="pdserve.kvtransfer.sender"):
+        errors, _ = _exposed_transfer(closing, insecure=True)
+    assert not errors
+    warnings = [r.getMessage() for r in caplog.records if r.name == "pdserve.kvtransfer.sender"]
+    assert len(warnings) == 1 and "without CURVE" in warnings[0] and "tcp://0.0.0.0:" in warnings[0]
+
+
+def test_exposed_decode_address_with_curve_keys_is_allowed(closing, tmp_path):
+    keys = CurveKeys.load(generate_keys(tmp_path / "keys"))
+    errors, _ = _exposed_transfer(closing, sender_curve=keys, receiver_curve=keys)
+    assert not errors
