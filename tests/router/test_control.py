@@ -18,15 +18,17 @@ from tests.router.fake_node import FakeNode
 
 
 class CurveNode(FakeNode):
-    """A fake node whose socket is a CURVE client with `keys` (None: plain)."""
+    """A fake node whose socket is a CURVE client with `keys` (None: plain), and whose connection's
+    routing id may differ from the node id it claims (an impostor's)."""
 
-    def __init__(self, *args, keys: CurveKeys | None = None, **kw) -> None:
+    def __init__(self, *args, keys: CurveKeys | None = None, routing_id: str | None = None, **kw) -> None:
         super().__init__(*args, **kw)
         self.keys = keys
+        self.routing_id = routing_id or self.node_id
 
     async def start(self, control_addr: str) -> None:
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.node_id.encode())
+        self._sock.setsockopt(zmq.IDENTITY, self.routing_id.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
         if self.keys is not None:
             apply_client(self._sock, self.keys)

@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from pdserve.kvtransfer.curve import AUTH_REFUSAL_REASONS, CurveKeys, apply_client, generate_keys
+from pdserve.kvtransfer.curve import AUTH_REFUSAL_REASONS, CurveKeys, generate_keys
 from pdserve.kvtransfer.messages import Heartbeat, Message, Register, Token, TokenBatch
 from tests.router.conftest import run, serving, wait_until
 from tests.router.test_control import CurveNode
@@ -21,22 +21,7 @@ from tests.router.test_control import CurveNode
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
 
 
-class Impostor(CurveNode):
-    """A CURVE fake node whose connection's routing id can differ from the node id it claims."""
-
-    def __init__(self, *args, routing_id: str | None = None, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.routing_id = routing_id or self.node_id
-
-    async def start(self, control_addr: str) -> None:
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, self.routing_id.encode())
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            apply_client(self._sock, self.keys)
-        self._sock.connect(control_addr)
-        await self.register()
-        self._loops = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+Impostor = CurveNode  # another key's process claiming a node id, maybe over its own routing id
 
 
 def second_client(directory) -> CurveKeys:
