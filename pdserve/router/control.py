@@ -35,6 +35,7 @@ With CURVE keys (kvtransfer.curve) the socket is a CURVE server and:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + (64 << 10)  # a peer that sends a bigger frame is dropped by libzmq
 # (sender identity, message, the sender's CURVE public key in z85, or None without CURVE)
+YIELD_EVERY = 32  # control messages handled per turn of the event loop, at most
 MessageHandler = Callable[[bytes, Message, "str | None"], Awaitable[None]]
 
 
@@ -116,9 +118,16 @@ class ControlSocket:
         self._ctx.term()
         self._ctx = None
 
-    async def recv_loop(self, handle: MessageHandler) -> None:
-        """Receive messages one at a time and await `handle` on each, until cancelled."""
+    async def recv_loop(self, handle: MessageHandler, yield_every: int = YIELD_EVERY) -> None:
+        """Receive messages one at a time and await `handle` on each, until cancelled. While
+        messages keep arriving, awaiting a receive that is already done never gives the event loop
+        back, so the HTTP side (streams to clients, new requests) would starve: after every
+        `yield_every` messages the loop yields once."""
+        handled = 0
         while True:
+            handled += 1
+            if handled % yield_every == 0:
+                await asyncio.sleep(0)
             parts = await self._sock.recv_multipart(copy=False)
             frames = [part.bytes for part in parts]
             peer_key = _user_id(parts[-1]) if self.curve is not None else None

@@ -88,3 +88,54 @@ def test_curve_admits_only_nodes_with_the_keys(tokenizer, tmp_path):
             await router.close()
 
     run(scenario())
+
+
+@pytest.mark.timeout(30)
+def test_a_flood_of_ready_messages_does_not_starve_the_event_loop():
+    """Messages already queued make every receive complete at once, so without yielding the loop
+    would handle all of them before any HTTP handler ran again: it yields every YIELD_EVERY."""
+    from pdserve.kvtransfer.messages import Heartbeat, encode
+    from pdserve.router.control import YIELD_EVERY
+
+    num_messages = 20 * YIELD_EVERY
+
+    async def scenario() -> list[int]:
+        control = ControlSocket("tcp://127.0.0.1:0")
+        addr = control.open()
+        sender = zmq.Context.instance().socket(zmq.DEALER)
+        sender.setsockopt(zmq.LINGER, 0)
+        sender.setsockopt(zmq.IDENTITY, b"n0")
+        ticks, seen = [0], []
+        done = asyncio.Event()
+
+        async def ticker() -> None:  # stands in for the HTTP side: runs whenever the loop is free
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        async def handle(identity, msg, peer_key) -> None:
+            seen.append(ticks[0])
+            if len(seen) == num_messages:
+                done.set()
+
+        try:
+            sender.connect(addr)
+            data = encode(Heartbeat(node_id="n0", num_free_blocks=1, num_total_blocks=1, num_running=0, num_waiting=0))
+            for _ in range(num_messages):
+                sender.send(data, zmq.NOBLOCK)
+            await asyncio.sleep(1.0)  # every message is queued at the router before it reads one
+            tick_task = asyncio.create_task(ticker())
+            await asyncio.sleep(0)
+            recv_task = asyncio.create_task(control.recv_loop(handle))
+            await asyncio.wait_for(done.wait(), 10)
+            for task in (tick_task, recv_task):
+                task.cancel()
+            await asyncio.gather(tick_task, recv_task, return_exceptions=True)
+        finally:
+            sender.close(0)
+            control.close()
+        return seen
+
+    seen = run(scenario())
+    # Without the yield the ticker would not run at all between the first and the last message.
+    assert seen[-1] - seen[0] >= num_messages // YIELD_EVERY - 2
