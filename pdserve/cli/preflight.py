@@ -1,5 +1,5 @@
 """What `pdserve serve` checks before it starts anything: the flags it hands each role parse with
-that role's own parser, and the router's HTTP port is free. Each check answers an error line (or
+that role's own parser and expose no socket without keys, and the router's HTTP port is free. Each check answers an error line (or
 None), so the command fails at once with one clear line instead of a crash loop minutes later."""
 
 from __future__ import annotations
@@ -29,27 +29,34 @@ def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.Argument
     return parser
 
 
-def _role_parsers() -> dict[str, tuple[str, Callable[[], argparse.ArgumentParser], list[str]]]:
-    """flag -> (the command it feeds, a parser factory, the required flags that parser needs)."""
+def _role_parsers() -> dict[str, tuple[str, Callable[[], argparse.ArgumentParser], list[str], Callable]]:
+    """flag -> (the command it feeds, a parser factory, the required flags that parser needs, the
+    ZMQ sockets the command opens, from its parsed flags)."""
     from pdserve.decode.__main__ import build_parser as decode_parser
+    from pdserve.kvtransfer.exposure import node_sockets, router_sockets
     from pdserve.prefill.__main__ import build_parser as prefill_parser
     from pdserve.router.cli import build_parser as router_parser
 
-    node = ["--router", "tcp://127.0.0.1:1"]  # the one required node flag; serve supplies the real one
-    return {"--prefill-args": ("pdserve prefill", prefill_parser, node),
-            "--decode-args": ("pdserve decode", decode_parser, node),
-            "--router-args": ("pdserve router", router_parser, [])}
+    node = ["--router", "tcp://127.0.0.1:1"]  # the one required node flag; serve's own is always loopback
+    return {"--prefill-args": ("pdserve prefill", prefill_parser, node, node_sockets),
+            "--decode-args": ("pdserve decode", decode_parser, node, node_sockets),
+            "--router-args": ("pdserve router", router_parser, [], router_sockets)}
 
 
-def check_role_args(values: dict[str, str]) -> str | None:
+def check_role_args(values: dict[str, str], curve_keys: str | None = None) -> str | None:
     """An error line for the first of `values` ({"--decode-args": "--max-num-seqs 64", ...}) that
-    its role's parser refuses, else None."""
+    its role's parser refuses, or that would expose one of the role's ZMQ sockets beyond loopback
+    without CURVE keys (`curve_keys`, serve's own --zmq-curve-keys, or the role's) or --insecure:
+    the process would exit at start, so the stack fails now instead of in a restart loop. Else None."""
+    from pdserve.kvtransfer.exposure import check_sockets
+
     parsers = _role_parsers()
     for flag, value in values.items():
-        command, make_parser, required = parsers[flag]
+        command, make_parser, required, sockets = parsers[flag]
         try:
-            _raise_instead_of_exit(make_parser()).parse_args([*required, *shlex.split(value)])
-        except ValueError as e:  # shlex: an unclosed quote
+            parsed = _raise_instead_of_exit(make_parser()).parse_args([*required, *shlex.split(value)])
+            check_sockets(sockets(parsed), curve_keys or parsed.zmq_curve_keys, parsed.insecure)
+        except ValueError as e:  # shlex: an unclosed quote; InsecureExposureError
             return f"{flag} {value!r}: {e}"
         except _ParseError as e:
             return f"{flag} {value!r}: {e} (see {command} --help)"

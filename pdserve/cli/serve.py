@@ -10,7 +10,7 @@ in which case the stack stops. `--no-restart` stops the stack at the first death
 Before it starts anything it checks what would otherwise fail later (cli/preflight.py): unknown
 flags, flags in --prefill-args/--decode-args/--router-args that the role's own parser refuses or
 that would expose a ZMQ socket beyond loopback without CURVE keys (`--zmq-curve-keys DIR`) or
---insecure (`check_role_exposure`), and a busy --port. It reports ready only when /health answers
+--insecure, and a busy --port. It reports ready only when /health answers
 200 with the instance id it gave its own router (never because another server holds the port), and
 whichever way it ends (Ctrl-C, a crash loop, never becoming healthy) it stops every process and
 prints one last `stopped` line."""
@@ -243,31 +243,6 @@ def join_role_args(argv: list[str]) -> list[str]:
     return joined
 
 
-def check_role_exposure(role_args: dict[str, str], curve_keys: str | None) -> str | None:
-    """The error line a process would exit with at start because --prefill-args/--decode-args/
-    --router-args expose one of its ZMQ sockets beyond loopback (`--host 0.0.0.0` for a decode node,
-    a non-loopback --control-addr) without CURVE keys or --insecure; None if none would. Checked
-    here so that the stack fails at once instead of in a restart loop. (Flags already parsed.)"""
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.kvtransfer.exposure import InsecureExposureError, check_sockets, node_sockets, router_sockets
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
-    from pdserve.router.cli import build_parser as router_parser
-
-    node = ["--router", "tcp://127.0.0.1:1"]  # serve's own control address is always loopback
-    roles = {"--prefill-args": (prefill_parser, node, node_sockets), "--decode-args": (decode_parser, node, node_sockets),
-             "--router-args": (router_parser, [], router_sockets)}
-    for flag, value in role_args.items():
-        if not value:
-            continue
-        make_parser, required, sockets = roles[flag]
-        parsed = make_parser().parse_args([*required, *shlex.split(value)])
-        try:
-            check_sockets(sockets(parsed), curve_keys or parsed.zmq_curve_keys, parsed.insecure)
-        except InsecureExposureError as e:
-            return f"{flag} {value!r}: {e}"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # An unknown flag: usage + error, exit 2, before anything starts.
@@ -276,8 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --port: {args.port} is not a port number (1..65535)")
     role_args = {"--prefill-args": args.prefill_args, "--decode-args": args.decode_args,
                  "--router-args": args.router_args}
-    error = check_role_args({flag: value for flag, value in role_args.items() if value})
-    error = error or check_role_exposure(role_args, args.zmq_curve_keys)
+    error = check_role_args({flag: value for flag, value in role_args.items() if value}, args.zmq_curve_keys)
     if error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2

@@ -55,8 +55,6 @@ class DecodeNode:
         self.timings: deque[dict] = deque(maxlen=1024)
         self.draining = False
         self.max_queue_len = max_queue_len  # requests announced, waiting for blocks; past it, refused
-        self.num_kv_bytes_received = 0  # by either path (the receiver counts only ZMQ bytes)
-        self._kv_bytes_per_token = engine.model_config.kv_elements_per_token * engine.runner.kv_buffer.element_size()
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, "decode")
         self.metrics.watch(self.metrics_snapshot)
 
@@ -97,7 +95,7 @@ class DecodeNode:
             request = self.scheduler.remote_kv_done(rid)
             if request is not None:
                 request.timings["kv_done"] = time.time()
-                self._transfer_done(request)
+                self._transfer_done(request, event.num_bytes)
                 self.timings.append({"request_id": rid, **request.timings})
         elif event.kind == KVEventKind.FAILED:
             self.scheduler.remote_kv_failed(rid)
@@ -134,9 +132,12 @@ class DecodeNode:
                 request.kv_lease_renewed_at = now
                 self.receiver.renew(request.request_id)
 
-    def _transfer_done(self, request: Request) -> None:
-        num_bytes = request.num_prompt_tokens * self._kv_bytes_per_token
-        self.num_kv_bytes_received += num_bytes
+    @property
+    def num_kv_bytes_received(self) -> int:
+        """KV bytes copied into this pool, by every transport (the receiver counts them)."""
+        return self.receiver.num_bytes_received
+
+    def _transfer_done(self, request: Request, num_bytes: int) -> None:
         if request.kv_pull_started_at is not None:
             self.metrics.observe_transfer(num_bytes, time.monotonic() - request.kv_pull_started_at)
 
@@ -173,4 +174,4 @@ class DecodeNode:
         return engine_snapshot(self.engine, num_bytes_received=self.num_kv_bytes_received,
                                num_shm_transfers=self.receiver.num_shm_copies,
                                num_zmq_transfers=self.receiver.num_zmq_pulls,
-                               auth_refusals=getattr(self.receiver, "auth_refusals", None))
+                               auth_refusals=self.receiver.auth_refusals)

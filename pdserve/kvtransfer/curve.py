@@ -209,6 +209,19 @@ def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
     monitor.close(linger=0)
 
 
+def close_server(sock: zmq.Socket, monitor: zmq.Socket | None, *, linger: int = 0) -> None:
+    """Close a bound socket with its handshake monitor (if any), and drop its own ZAP domain.
+    Closing twice is a no-op, as for a plain socket."""
+    if monitor is not None:
+        close_monitor(sock, monitor)
+    if sock.closed:
+        return
+    domain = sock.getsockopt(zmq.ZAP_DOMAIN).decode()
+    sock.close(linger=linger)
+    if domain:
+        forget_domain(sock.context, domain)
+
+
 def handshake_failure_reason(event: int, value: int) -> str | None:
     """The refusal reason of a monitor event, None when it is not counted: HANDSHAKE_FAILED_AUTH
     follows a ZAP refusal, already counted as unknown_key by the ZAP callback."""

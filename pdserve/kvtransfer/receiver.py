@@ -41,9 +41,7 @@ from pdserve.kvtransfer.curve import (
     SOCKET_REFUSAL_REASONS,
     CurveKeys,
     HandshakeFailures,
-    apply_server,
-    close_monitor,
-    forget_domain,
+    close_server,
     monitor_handshakes,
 )
 from pdserve.kvtransfer.layout import blocks_error, check_pool, ready_error
@@ -59,7 +57,7 @@ from pdserve.kvtransfer.messages import (
     MessageError,
 )
 from pdserve.kvtransfer.shm import SharedMemoryTransport
-from pdserve.kvtransfer.sockets import KV_MAX_BYTES, _wildcard_port, drain, endpoint, make_socket, send_msg
+from pdserve.kvtransfer.sockets import KV_MAX_BYTES, drain, endpoint, make_socket, send_msg
 from pdserve.kvtransfer.transport import KVTransport, Outcome, TransferState
 from pdserve.kvtransfer.zmq_pull import ZmqPullTransport
 
@@ -83,6 +81,7 @@ class KVEvent:
     request_id: str
     ready: KVReady | None = None
     error: str = ""
+    num_bytes: int = 0  # DONE: the KV bytes moved into our pool
 
 
 @dataclass
@@ -129,7 +128,6 @@ class KVReceiver:
         self._refusals: Counter[str] = Counter({reason: 0 for reason in SOCKET_REFUSAL_REASONS})
         self._refusals_lock = threading.Lock()  # the ZAP thread counts too
         self._monitor: zmq.Socket | None = None
-        self._zap_domain: str | None = None
         self.sock = self._bind(bind_addr, max_frame_bytes, curve)
         self.kv_addr = endpoint(self.sock)
         self.num_transfers: Counter[str] = Counter()  # transfers done, by transport name
@@ -139,18 +137,13 @@ class KVReceiver:
         self._events: list[KVEvent] = []  # produced outside poll(), reported by the next poll()
 
     def _bind(self, bind_addr: str, max_frame_bytes: int, curve: CurveKeys | None) -> zmq.Socket:
-        """The ROUTER socket, bound; with `curve` a CURVE server with its own ZAP domain (refused
-        keys counted here) and a monitor for the handshakes libzmq fails without asking ZAP."""
-        sock = make_socket(zmq.ROUTER, max_msg_bytes=max_frame_bytes)
-        try:
-            if curve is not None:
-                self._zap_domain = apply_server(sock, curve, on_refused=self._count_refusal)
-                self._handshakes = HandshakeFailures(f"decode node {self.node_id} KV socket", self._count_refusal)
-                self._monitor = monitor_handshakes(sock)
-            sock.bind(_wildcard_port(bind_addr))
-        except BaseException:
-            self._close_socket(sock)
-            raise
+        """The ROUTER socket, bound; with `curve` a CURVE server whose refused keys are counted here,
+        and a monitor for the handshakes libzmq fails without asking ZAP."""
+        sock = make_socket(zmq.ROUTER, bind=bind_addr, max_msg_bytes=max_frame_bytes, curve=curve,
+                           on_refused=self._count_refusal if curve is not None else None)
+        if curve is not None:
+            self._handshakes = HandshakeFailures(f"decode node {self.node_id} KV socket", self._count_refusal)
+            self._monitor = monitor_handshakes(sock)
         return sock
 
     def _count_refusal(self, reason: str, peer: str) -> None:
@@ -176,13 +169,8 @@ class KVReceiver:
             self._handshakes.on_event(event)
 
     def _close_socket(self, sock: zmq.Socket) -> None:
-        if self._monitor is not None:
-            close_monitor(sock, self._monitor)
-            self._monitor = None
-        sock.close(linger=500)  # let goodbyes out; close() itself does not wait
-        if self._zap_domain is not None:
-            forget_domain(sock.context, self._zap_domain)
-            self._zap_domain = None
+        close_server(sock, self._monitor, linger=500)  # let goodbyes out; close() itself does not wait
+        self._monitor = None
 
     @property
     def num_shm_copies(self) -> int:
@@ -335,7 +323,7 @@ class KVReceiver:
         self.num_transfers[name] += 1
         self.num_bytes[name] += outcome.num_bytes
         self._send(inc.identity, KVDone(request_id, ok=True))
-        return KVEvent(KVEventKind.DONE, request_id, inc.ready)
+        return KVEvent(KVEventKind.DONE, request_id, inc.ready, num_bytes=outcome.num_bytes)
 
     def _fail(self, request_id: str, error: str) -> KVEvent:
         inc = self._incoming.pop(request_id)

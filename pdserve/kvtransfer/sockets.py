@@ -12,7 +12,7 @@ import os
 
 import zmq
 
-from pdserve.kvtransfer.curve import CurveKeys, apply_client, apply_server
+from pdserve.kvtransfer.curve import CurveKeys, OnRefused, apply_client, apply_server
 from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode
 
 CONTROL_MAX_BYTES = MAX_MESSAGE_BYTES  # a control socket never accepts a bigger frame
@@ -29,22 +29,26 @@ def context() -> zmq.Context:
 def make_socket(kind: int, *, bind: str | None = None, connect: str | None = None,
                 identity: bytes | None = None, max_msg_bytes: int = CONTROL_MAX_BYTES,
                 hwm: int | None = DEFAULT_HWM, curve: CurveKeys | None = None, ctx: zmq.Context | None = None,
-                send_hwm: int | None = None) -> zmq.Socket:
+                send_hwm: int | None = None, on_refused: OnRefused | None = None,
+                handover: bool = True) -> zmq.Socket:
     """A socket with LINGER 0 and a bounded inbound frame size (a peer that sends a bigger frame is
     disconnected by libzmq). ``bind="tcp://127.0.0.1:0"`` picks a free port: see `endpoint`.
     `hwm` bounds the queues both ways (None: libzmq's default, 1000 messages); `send_hwm`, when
     given, overrides the send side alone. A ROUTER is MANDATORY (a send to an unknown peer raises)
-    and HANDOVER (a reconnecting peer takes its identity back).
+    and, unless `handover=False`, HANDOVER (a reconnecting peer takes its identity back).
     With `curve` it binds as a CURVE server (the context's ZAP authenticator started first) or
     connects as a CURVE client; it must then do one of the two, not both. `ctx` defaults to the
-    process-wide context (pass a `zmq.asyncio.Context` for an asyncio socket).
+    process-wide context (pass a `zmq.asyncio.Context` for an asyncio socket). `on_refused` (a
+    CURVE server only) is told of every client key the authenticator refuses (`apply_server`).
 
     Every socket of the project comes from here, e.g.
         the router's control socket: make_socket(zmq.ROUTER, bind=addr, ctx=asyncio_ctx, curve=keys,
-                                                 max_msg_bytes=MAX_MESSAGE_BYTES + (64 << 10), hwm=None)
+                                                 max_msg_bytes=MAX_MESSAGE_BYTES + (64 << 10), hwm=None,
+                                                 on_refused=count, handover=keys is None)
         a node's link to it:         make_socket(zmq.DEALER, connect=addr, identity=node_id.encode(),
                                                  hwm=None, send_hwm=100_000, curve=keys)
-        a decode node's KV socket:   make_socket(zmq.ROUTER, bind=addr, max_msg_bytes=KV_MAX_BYTES, curve=keys)
+        a decode node's KV socket:   make_socket(zmq.ROUTER, bind=addr, max_msg_bytes=KV_MAX_BYTES, curve=keys,
+                                                 on_refused=count)
         a prefill node's KV link:    make_socket(zmq.DEALER, connect=kv_addr, identity=..., curve=keys)
     """
     if curve is not None and (bind is None) == (connect is None):
@@ -61,10 +65,12 @@ def make_socket(kind: int, *, bind: str | None = None, connect: str | None = Non
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer raises instead of a silent drop
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its identity back
+        sock.setsockopt(zmq.ROUTER_HANDOVER, int(handover))  # a reconnecting peer takes its identity back
     try:
-        if curve is not None:
-            (apply_server if bind is not None else apply_client)(sock, curve)
+        if curve is not None and bind is not None:
+            apply_server(sock, curve, on_refused=on_refused)
+        elif curve is not None:
+            apply_client(sock, curve)
         if bind is not None:
             sock.bind(_wildcard_port(bind))
         if connect is not None:

@@ -46,13 +46,12 @@ from zmq.utils.monitor import recv_monitor_message
 from pdserve.kvtransfer.curve import (
     HandshakeFailures,
     OnRefused,
-    apply_server,
-    close_monitor,
+    close_server,
     monitor_handshakes,
     stop_authenticator,
 )
 from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
-from pdserve.kvtransfer.sockets import _wildcard_port, endpoint, make_socket
+from pdserve.kvtransfer.sockets import endpoint, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +79,12 @@ class ControlSocket:
         self._ctx = zmq.asyncio.Context()
         try:
             # hwm=None: libzmq's default queues (1000 messages per peer); past them a send fails (NOBLOCK)
-            self._sock = make_socket(zmq.ROUTER, max_msg_bytes=MAX_FRAME_BYTES, hwm=None, ctx=self._ctx)
+            # handover off under CURVE: see the module docstring
+            self._sock = make_socket(zmq.ROUTER, bind=self.bind_addr, max_msg_bytes=MAX_FRAME_BYTES, hwm=None,
+                                     ctx=self._ctx, curve=self.curve, on_refused=self.on_refused,
+                                     handover=self.curve is None)
             if self.curve is not None:
-                apply_server(self._sock, self.curve, on_refused=self.on_refused)
-                self._sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # see the module docstring
                 self._monitor = monitor_handshakes(self._sock)
-            self._sock.bind(_wildcard_port(self.bind_addr))
         except BaseException:
             self.close()
             raise
@@ -94,11 +93,8 @@ class ControlSocket:
 
     def close(self) -> None:
         if self._sock is not None:
-            if self._monitor is not None:
-                close_monitor(self._sock, self._monitor)
-                self._monitor = None
-            self._sock.close(linger=0)
-            self._sock = None
+            close_server(self._sock, self._monitor)
+            self._sock = self._monitor = None
         self._term_context()
 
     async def monitor_loop(self) -> None:

@@ -7,7 +7,8 @@
                 aborted on it; a heartbeat from a node the router does not know gets Reregister
     Deregister  drop the node (it drained first); anything it still held is re-dispatched
     FirstToken  output index 0 of a request: ends the prompt-token accounting on the prefill node
-    TokenBatch  tokens with index >= 1; a token with finish_reason ends the request
+    TokenBatch  tokens with index >= 1 of requests the sending node holds (others are dropped);
+                a token with finish_reason ends the request
     Error       retryable (a KV transfer failed, a node is full): the request is re-dispatched;
                 otherwise it fails (500, or an error event once streaming)
     anything else, garbage, wrong frame count: logged and dropped (control.py)
@@ -24,8 +25,8 @@ as `pdserve_auth_refusals_total{reason="node_id_taken"}`, before any handler run
     FirstToken                                            claims the request's prefill node
 
 so a refused Register is not registered and gets no answer, and nothing else sent under that id
-(heartbeats, tokens, errors, a Deregister) has any effect. A TokenBatch must also name a node of
-each request it carries a token for, so a node cannot push tokens into another node's requests
+(heartbeats, tokens, errors, a Deregister) has any effect. A TokenBatch only counts for requests
+its node holds (with or without keys), so a node cannot push tokens into another node's requests
 under its own id. If the message came through the routing id the registered node was reached by
 (its connection is gone and another key's took the id), the node is dropped as lost, so nothing
 more is sent there. The limit: the key is the identity. Nodes that share one client key (the
@@ -193,8 +194,8 @@ class NodeMessages:
             req = self.requests.get(token.request_id)
             if req is None:
                 continue
-            if self.curve is not None and msg.node_id not in req.node_ids:
-                continue  # identity binding: not this node's request (module docstring)
+            if msg.node_id != req.decode_node_id and msg.node_id != req.prefill_node_id:
+                continue  # not this node's request: a stranger's, or another key's (module docstring)
             await self._deliver(req, token)
 
     async def _on_error(self, identity: bytes, msg: Error) -> None:

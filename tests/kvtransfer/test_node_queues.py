@@ -61,7 +61,8 @@ def test_decode_queue_limit(tiny_llama, no_leak):
     released = []
 
     class Receiver:  # stands in for KVReceiver: records what the node gives up
-        num_shm_copies = num_zmq_pulls = 0
+        num_shm_copies = num_zmq_pulls = num_bytes_received = 0
+        auth_refusals = None  # no CURVE socket
 
         def release(self, request_id, error=""):
             released.append((request_id, error))

@@ -23,15 +23,22 @@ class FakeReceiver:
     """Records the node's calls; `events` are handed out by the next poll()."""
 
     num_shm_copies = num_zmq_pulls = 0
+    auth_refusals = None  # no CURVE socket
+
+    @property
+    def num_bytes_received(self) -> int:  # as KVReceiver: the bytes of every DONE handed out
+        return self.num_bytes_done
 
     def __init__(self) -> None:
         self.events: list[KVEvent] = []
+        self.num_bytes_done = 0
         self.pulls: list[tuple[str, list[int]]] = []
         self.renewed: list[str] = []
         self.released: list[tuple[str, str]] = []
 
     def poll(self, timeout_ms: int = 0) -> list[KVEvent]:
         events, self.events = self.events, []
+        self.num_bytes_done += sum(e.num_bytes for e in events if e.kind is KVEventKind.DONE)
         return events
 
     def pull(self, request_id: str, block_ids: list[int]) -> None:
@@ -86,7 +93,7 @@ def test_pull_done_decode(tiny_llama, router, no_leak):
         assert receiver.pulls[0][1] == sched.block_manager.block_ids("r1")
         assert sched.requests["r1"].status is RequestStatus.RECEIVING_KV and not node.is_idle()
         assert node.heartbeat().request_ids == ["r1"] and node.status()["num_receiving"] == 1
-        receiver.events = [KVEvent(KVEventKind.DONE, "r1")]
+        receiver.events = [KVEvent(KVEventKind.DONE, "r1", num_bytes=4096)]
         while not node.is_idle():
             node.run_once()
         assert node.timings[-1]["request_id"] == "r1" and "kv_done" in node.timings[-1]
@@ -137,7 +144,7 @@ def test_abort_while_waiting_or_receiving_releases(tiny_llama, router, no_leak, 
         node.handle(Abort("r1"))
         assert receiver.released == [("r1", "aborted")] and node.engine.scheduler.requests == {}
         bm.free("hog")
-        receiver.events = [KVEvent(KVEventKind.DONE, "r1")]  # a late DONE is ignored
+        receiver.events = [KVEvent(KVEventKind.DONE, "r1", num_bytes=4096)]  # a late DONE is ignored
         node.run_once()
         assert node.is_idle()
     finally:

@@ -279,7 +279,7 @@ def test_serve_refuses_role_args_that_expose_a_socket():
 
 
 def test_serve_role_args_check_accepts_keys_and_insecure():
-    from pdserve.cli.serve import check_role_exposure
+    from pdserve.cli.preflight import check_role_args as check_role_exposure
 
     decode = {"--decode-args": "--host 0.0.0.0"}
     assert "refusing to bind the KV socket" in check_role_exposure(decode, None)
