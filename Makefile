@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve chat test test-fast lint bench clean
+.PHONY: install serve chat test test-fast lint bench image clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.offline
+
+# The compose stack's images (pdserve:cpu, pdserve-prometheus), built offline from a wheelhouse:
+# see docker/build.sh. Needs a Docker engine; BASE_IMAGE=... picks the base.
+image: $(STAMP)
+	PYTHON=$(PY) bash docker/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

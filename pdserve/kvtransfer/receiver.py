@@ -264,10 +264,20 @@ class KVReceiver:
             self._send(identity, HandshakeAck(self.node_id, ok=False, error=error))
             return
         links = self._open_links(identity, hs.layout)
+        self._forget_connections_of(hs.node_id)
         self._peers[identity] = _PrefillPeer(hs.node_id, hs.layout, ok=True, links=links)
         log.info("prefill node %s connected (%s)", hs.node_id, ", then ".join(link.transport.name for link in links))
         same_host = bool(links) and links[0].transport.same_host
         self._send(identity, HandshakeAck(self.node_id, ok=True, same_host=same_host))
+
+    def _forget_connections_of(self, prefill_node_id: str) -> None:
+        """A prefill node opens one connection to us at a time (it closes idle ones and reconnects
+        with a new identity): its earlier connections that hold no request are gone, so their
+        entries, and the mappings of its pool they hold, are dropped."""
+        busy = {inc.identity for inc in self._incoming.values()}
+        for identity, peer in list(self._peers.items()):
+            if peer.node_id == prefill_node_id and identity not in busy:
+                del self._peers[identity]
 
     def _open_links(self, identity: bytes, peer_layout: KVLayout) -> list[_Link]:
         """Probe the transports in order; stop after the first one that is safe past the peer's

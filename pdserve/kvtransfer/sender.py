@@ -59,6 +59,8 @@ from pdserve.kvtransfer.sockets import CONTROL_MAX_BYTES, drain, make_socket, se
 
 log = logging.getLogger(__name__)
 
+PEER_IDLE_S = 60.0  # a decode connection with no request for this long is closed (reopened on demand)
+
 
 class PayloadFaults(Protocol):
     """Fault injection on the pull path (pdserve.node.faults.FaultInjection in a node)."""
@@ -78,6 +80,7 @@ class _DecodePeer:
     acked: bool = False  # HandshakeAck(ok=True) arrived
     same_host: bool = False  # it mapped our pool (shared memory or CUDA IPC)
     request_ids: set[str] = field(default_factory=set)
+    idle_since: float | None = None  # when its last request was released (None: it holds some)
 
 
 class KVSender:
@@ -104,13 +107,18 @@ class KVSender:
         self._release_cb = release
         self._curve = curve  # CURVE client keys for the connections to decode nodes
         self._insecure = insecure  # --insecure: plain TCP to decode nodes beyond loopback allowed
+        self._clock = clock
         self._leases = LeaseTable(self._released, lease_s, clock)
         self._requests: dict[str, tuple[_DecodePeer, KVReady]] = {}
         self._peers: dict[tuple[str, str], _DecodePeer] = {}  # (decode node id, kv addr) → peer
         self._poller = zmq.Poller()
-        # A fresh identity per sender instance: a restarted prefill node is a new peer to the decode
-        # node (new handshake), while a TCP reconnect of this one keeps its identity.
-        self._identity = f"{node_id}/{secrets.token_hex(4)}".encode()
+        # A fresh identity per connection: a restarted prefill node is a new peer to the decode node
+        # (new handshake), a TCP reconnect of one connection keeps its identity, and two of our
+        # connections never share one. That matters when a decode node is replaced by another at
+        # the same address (a new container given a dead one's IP): the old connection reconnects
+        # to the new node too, and with a shared identity the new node's answers could go to it.
+        self._identity_prefix = f"{node_id}/{secrets.token_hex(4)}"
+        self._num_connections = 0
         self._faults = faults
 
     # ---- the node's calls ---------------------------------------------------------------
@@ -137,6 +145,7 @@ class KVSender:
         self._leases.hold(ready.request_id, ready.lease_s)
         self._requests[ready.request_id] = (peer, ready)
         peer.request_ids.add(ready.request_id)
+        peer.idle_since = None
         if not self._send(peer, ready):
             self._fail(ready.request_id, f"cannot send KVReady to decode node {decode_node_id}")
 
@@ -149,6 +158,7 @@ class KVSender:
             time.sleep(timeout_ms / 1000)
         for request_id in self._leases.expire():
             self._report(request_id, "KV lease expired before the decode node took the blocks")
+        self._close_idle_peers()
 
     def abort(self, request_id: str) -> bool:
         """Release a request now (router abort); False if it was not held."""
@@ -187,7 +197,9 @@ class KVSender:
     def _peer(self, decode_node_id: str, addr: str) -> _DecodePeer:
         peer = self._peers.get((decode_node_id, addr))
         if peer is None:
-            sock = make_socket(zmq.DEALER, connect=addr, identity=self._identity, max_msg_bytes=CONTROL_MAX_BYTES,
+            self._num_connections += 1
+            identity = f"{self._identity_prefix}/{self._num_connections}".encode()
+            sock = make_socket(zmq.DEALER, connect=addr, identity=identity, max_msg_bytes=CONTROL_MAX_BYTES,
                                curve=self._curve)
             if self._curve is None and not is_local(addr):  # only with insecure (see _exposure_error)
                 log.warning("KV to decode node %s at %s without CURVE authentication or encryption (--insecure)",
@@ -197,6 +209,16 @@ class KVSender:
             self._poller.register(sock, zmq.POLLIN)
             self._send(peer, Handshake(self.node_id, self.layout))
         return peer
+
+    def _close_idle_peers(self) -> None:
+        """Close the connections that held nothing for PEER_IDLE_S: a decode node that went away
+        (scaled down, replaced) leaves no socket reconnecting to its address forever; a live one
+        gets a fresh connection and handshake on its next request."""
+        now = self._clock()
+        for peer in list(self._peers.values()):
+            if peer.idle_since is not None and now - peer.idle_since > PEER_IDLE_S:
+                log.debug("closing the idle KV connection to decode node %s", peer.node_id)
+                self._drop_peer(peer)
 
     def _drop_peer(self, peer: _DecodePeer) -> None:
         self._poller.unregister(peer.sock)
@@ -283,6 +305,8 @@ class KVSender:
         """The LeaseTable's callback: runs exactly once per held request."""
         peer, _ = self._requests.pop(request_id)
         peer.request_ids.discard(request_id)
+        if not peer.request_ids:
+            peer.idle_since = self._clock()
         self._release_cb(request_id)
 
     def _fail(self, request_id: str, error: str) -> None:

@@ -42,6 +42,7 @@ class NodeSnapshot:
     num_zmq_transfers: int = 0  # decode: transfers pulled over ZMQ
     num_prompt_tokens: int = 0  # prompt positions whose KV a forward computed here (prefix hits excluded)
     num_generation_tokens: int = 0  # tokens sampled here
+    num_outstanding_prompt_tokens: int = 0  # prefill: prompt tokens queued or in progress
     auth_refusals: dict[str, int] | None = None  # decode: peers refused on the CURVE KV socket, by reason
 
 
@@ -87,6 +88,8 @@ _FAMILIES: list[tuple[str, str, str, Callable[[NodeSnapshot], float]]] = [
     ("pdserve_num_requests_running", "gauge", "Requests in the node's running batch", lambda s: s.num_running),
     ("pdserve_num_requests_waiting", "gauge", "Requests waiting for a batch slot or KV blocks",
      lambda s: s.num_waiting),
+    ("pdserve_num_prompt_tokens_outstanding", "gauge", "Prefill: prompt tokens queued or in progress (the "
+     "load the router balances on; a prefill autoscaling signal)", lambda s: s.num_outstanding_prompt_tokens),
     ("pdserve_kv_cache_usage_perc", "gauge", "KV blocks in use / total (0..1)",
      lambda s: s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0),
     ("pdserve_kv_blocks_used", "gauge", "KV blocks held by requests", lambda s: s.num_blocks_used),

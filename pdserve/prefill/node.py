@@ -175,9 +175,14 @@ class PrefillNode:
         self.link.send(Error(request_id=request_id, node_id=self.node_id, message=message, retryable=True))
 
     # ---- reporting --------------------------------------------------------------------------
+    def outstanding_tokens(self) -> int:
+        """Prompt tokens queued or in progress (copies of the lists: the status thread reads this too)."""
+        sched = self.engine.scheduler
+        return sum(r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *sched.running])
+
     def heartbeat(self) -> Heartbeat:
         sched, bm = self.engine.scheduler, self.engine.block_manager
-        outstanding = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting + sched.running)
+        outstanding = self.outstanding_tokens()
         return Heartbeat(
             node_id=self.node_id, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
@@ -201,4 +206,5 @@ class PrefillNode:
         """Called from the status thread at scrape time: reads counters, changes nothing."""
         sender = self.sender
         return engine_snapshot(self.engine, num_bytes_sent=sender.num_bytes_sent if sender else 0,
-                               num_leases=sender.num_held if sender else 0)
+                               num_leases=sender.num_held if sender else 0,
+                               num_outstanding_prompt_tokens=self.outstanding_tokens())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import yaml
@@ -24,23 +22,28 @@ def load_yaml(path: Path) -> dict:
 
 
 def services(path: Path = COMPOSE_FILE) -> dict[str, dict]:
-    return load_yaml(path)["services"]
+    """The file's services as compose resolves them with none of its variables set."""
+    return interpolated(load_yaml(path)["services"])
+
+
+_VARIABLE_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def interpolated(value):
+    """A compose value as compose resolves it with none of its variables set: `${X:-default}` is
+    the default, `${X}` empty (every value a string, as compose passes them)."""
+    if isinstance(value, dict):
+        return {k: interpolated(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolated(v) for v in value]
+    if isinstance(value, str):
+        return _VARIABLE_RE.sub(lambda m: m.group(2) or "", value)
+    return value
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
     """The value after `flag` in an argv list (None when absent)."""
     return argv[argv.index(flag) + 1] if flag in argv else None
-
-
-def compose_command() -> list[str] | None:
-    """`docker-compose` (v1, Debian's package) or `docker compose` (v2 plugin), whichever works."""
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30)
-        if probe.returncode == 0:
-            return ["docker", "compose"]
-    return None
 
 
 def dashboard_exprs(path: Path = DASHBOARD_FILE) -> list[str]:

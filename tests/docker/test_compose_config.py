@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from pdserve.bench.compose import compose_command
 from tests.docker.compose import (
     COMPOSE_FILE,
     DASHBOARD_FILE,
@@ -15,7 +16,6 @@ from tests.docker.compose import (
     GPU_COMPOSE_FILE,
     NODE_SERVICES,
     PROMETHEUS_FILE,
-    compose_command,
     flag_value,
     load_yaml,
     services,
@@ -45,7 +45,7 @@ def test_nodes_can_scale():
         assert flag_value(argv, "--node-id") is None and flag_value(argv, "--advertise-host") is None, name
         assert flag_value(argv, "--status-port") == STATUS_PORT, name
         assert flag_value(argv, "--router") == "tcp://router:5555", name
-        assert "kv-shm:/dev/shm" in service["volumes"], name  # the same-host shared-memory KV path
+        assert "kv-shm:/dev/shm:nocopy" in service["volumes"], name  # the same-host shared-memory KV path
     assert flag_value(svc["decode"]["command"], "--kv-port") == "9200"
     assert flag_value(svc["router"]["command"], "--control-addr") == "tcp://0.0.0.0:5555"
 

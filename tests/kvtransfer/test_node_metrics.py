@@ -31,7 +31,8 @@ def value(metrics: dict, name: str, **labels) -> float:
 
 def make_snapshot(**kw) -> NodeSnapshot:
     base = dict(num_running=2, num_waiting=3, num_blocks_used=25, num_blocks_total=100, num_prefix_queries=64,
-                num_prefix_hits=32, num_preemptions=1, num_bytes_sent=4096, num_leases=2)
+                num_prefix_hits=32, num_preemptions=1, num_bytes_sent=4096, num_leases=2,
+                num_outstanding_prompt_tokens=7)
     return NodeSnapshot(**{**base, **kw})
 
 
@@ -48,6 +49,7 @@ def test_collector_reads_the_snapshot_at_every_scrape():
     assert value(m, "pdserve_prefix_cache_hits_total", **NODE) == 32
     assert value(m, "pdserve_num_preemptions_total", **NODE) == 1
     assert value(m, "pdserve_kv_leases_held", **NODE) == 2
+    assert value(m, "pdserve_num_prompt_tokens_outstanding", **NODE) == 7
     assert value(m, "pdserve_kv_transfer_bytes_total", **NODE, direction="sent") == 4096
     state["snap"] = make_snapshot(num_blocks_used=0, num_blocks_total=0)  # an empty pool reads 0, not NaN
     assert value(samples(metrics.render()), "pdserve_kv_cache_usage_perc", **NODE) == 0.0
@@ -129,6 +131,7 @@ def test_handoff_moves_node_metrics(tiny_llama, no_leak):
     try:
         prefill.handle(PrefillRequest("r1", prompt, {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
                                       "d0", receiver.kv_addr))
+        queued = samples(prefill.metrics.render())  # before any step: the whole prompt is outstanding
         deadline = time.monotonic() + 60
         while not (prefill.is_idle() and decode.is_idle() and decode.timings):
             assert time.monotonic() < deadline, "the hand-off did not finish"
@@ -148,6 +151,8 @@ def test_handoff_moves_node_metrics(tiny_llama, no_leak):
     assert value(d, "pdserve_kv_transfer_seconds_count", **dl) == 1
     assert value(d, "pdserve_kv_transfer_bandwidth_bytes_per_second_count", **dl) == 1
     assert value(p, "pdserve_kv_leases_held", node_id="p0", role="prefill") == 0
+    assert value(queued, "pdserve_num_prompt_tokens_outstanding", node_id="p0", role="prefill") == len(prompt)
+    assert value(p, "pdserve_num_prompt_tokens_outstanding", node_id="p0", role="prefill") == 0
     assert value(d, "pdserve_kv_blocks_used", **dl) == 0
     no_leak(pe.block_manager)
     no_leak(de.block_manager)

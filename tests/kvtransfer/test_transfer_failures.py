@@ -262,3 +262,64 @@ def test_exposed_decode_address_with_curve_keys_is_allowed(closing, tmp_path):
     keys = CurveKeys.load(generate_keys(tmp_path / "keys"))
     errors, _ = _exposed_transfer(closing, sender_curve=keys, receiver_curve=keys)
     assert not errors
+
+
+# ---- decode nodes that go away --------------------------------------------------------------------
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_a_decode_node_replaced_at_the_same_address(closing, tmp_path, curve):
+    """A new decode node bound where a dead one was (a container given a dead one's IP): the
+    sender's old connection reconnects to it as well, yet the new node's answers reach the new
+    connection (one identity per connection), and hand-offs to it complete."""
+    keys = CurveKeys.load(generate_keys(tmp_path / "keys")) if curve else None
+    released, errors = ReleaseLog(), []
+    sender = _sender(closing, released, errors, curve=keys)
+    layout = make_layout()
+    first = KVReceiver("dA", layout, make_pool(layout, seed=None), curve=keys)
+    addr = first.kv_addr
+    sender.send("dA", addr, make_ready("r1", [0, 1], 20, 16))
+    pump(sender, first, lambda ev: "r1" in kinds(ev, "ready"))
+    first.pull("r1", [2, 3])
+    pump(sender, first, lambda ev: "r1" in kinds(ev, "done"))
+    first.close()
+    deadline = time.monotonic() + 5
+    while True:  # the first one's socket closes in libzmq's I/O thread: its port frees soon after
+        try:
+            second = KVReceiver("dB", layout, make_pool(layout, seed=None), bind_addr=addr, curve=keys)
+            break
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, f"{addr} never came free"
+            time.sleep(0.05)
+    closing(second)
+    closing(sender)  # closed first
+    for _ in range(30):  # the old connection finds the new node at the old address
+        sender.poll(10)
+    for k in range(5):
+        rid = f"s{k}"
+        sender.send("dB", addr, make_ready(rid, [k], 8, 16))
+        pump(sender, second, lambda ev, rid=rid: rid in kinds(ev, "ready"))
+        second.pull(rid, [k + 4])
+        pump(sender, second, lambda ev, rid=rid: rid in kinds(ev, "done"))
+        for _ in range(20):  # a reconnect of the old connection in between must not matter
+            sender.poll(5)
+    pump(sender, second, lambda _: sender.num_held == 0)
+    assert not errors
+    released.assert_released_once(["r1", "s0", "s1", "s2", "s3", "s4"])
+
+
+def test_idle_connections_are_closed_and_reopened(make_pair):
+    """No socket outlives its use by PEER_IDLE_S (a scaled-down decode node leaves nothing
+    reconnecting forever); the next hand-off opens a fresh connection, and the receiver keeps one
+    entry per prefill node, not one per connection it ever had."""
+    clock = FakeClock()
+    pair = make_pair(clock=clock, shm=True)
+    for k in range(3):
+        rid = f"r{k}"
+        assert kinds(pair.transfer(rid, [k], [k + 4], 8), "done") == [rid]
+        pair.pump(lambda _: pair.sender.num_held == 0)
+        assert len(pair.sender._peers) == 1
+        clock.advance(sender_module.PEER_IDLE_S + 1)
+        pair.sender.poll(0)
+        assert not pair.sender._peers  # closed while idle
+    assert len(pair.receiver._peers) == 1  # the last connection only
+    pair.released.assert_released_once(["r0", "r1", "r2"])
+    assert not pair.errors
