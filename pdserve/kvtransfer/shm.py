@@ -6,10 +6,13 @@ assumed: the segment ends with a random probe token (after the pool's bytes, in 
 and the peer maps the segment only if the size is right and the token it reads there equals the
 one sent in the handshake. A same-named file on another machine fails that check.
 
-Segment name: ``pdserve-<prefix>-<pidns>-<pid>-<nonce>`` where pidns is the inode of the owner's
-pid namespace, so `cleanup_stale_segments` only judges pids it can actually see. The owner
-unlinks the segment on `close()` and at exit; a node killed with -9 leaves it behind for the next
-start's cleanup. Mappings that are open stay valid after an unlink.
+Segment name: ``pdserve-<prefix>-<pidns>-<pid>-<nonce>`` (pidns: the inode of the owner's pid
+namespace; for people reading /dev/shm). The owner holds a shared `flock` on the segment for as
+long as it lives, and the kernel drops it when the process dies, however it dies. The owner
+unlinks the segment on `close()` and at exit; one killed with -9 leaves it behind, and the next
+prefill node's `cleanup_stale_segments` unlinks every segment nobody holds that lock on: in its
+own pid namespace or another's (containers sharing one /dev/shm volume each have their own).
+Mappings that are open stay valid after an unlink.
 
 `SharedMemoryTransport` ("shm") is the receiver's side of this path (kvtransfer.transport): its
 probe is `open_peer_pool`, and a transfer is one pool-to-pool copy out of the mapped segment.
@@ -18,6 +21,7 @@ probe is `open_peer_pool`, and a transfer is one pool-to-pool copy out of the ma
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hmac
 import logging
 import math
@@ -25,6 +29,7 @@ import mmap
 import os
 import re
 import secrets
+import time
 
 import torch
 
@@ -39,6 +44,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "pdserve-"
 PROBE_BYTES = 16  # the probe token's length; the segment reserves 64 bytes for it
 _TAIL_BYTES = 64
+STALE_GRACE_S = 10.0  # a segment younger than this is never judged stale (its owner may be locking it)
 _NAME_RE = re.compile(r"^pdserve-[A-Za-z0-9_]+-\d+-\d+-[0-9a-f]+$")
 
 
@@ -56,10 +62,11 @@ def _pool_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 class SharedKVPool:
     """A pool tensor backed by a /dev/shm segment that this process owns."""
 
-    def __init__(self, name: str, tensor: torch.Tensor, probe_token: str):
+    def __init__(self, name: str, tensor: torch.Tensor, probe_token: str, lock_fd: int | None = None):
         self.name = name
         self.tensor = tensor
         self.probe_token = probe_token  # hex
+        self._lock_fd = lock_fd  # holds the owner's flock: "alive" to cleanup_stale_segments
         self._closed = False
         atexit.register(self.close)
 
@@ -84,17 +91,17 @@ class SharedKVPool:
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held until this process closes it or dies
             os.posix_fallocate(fd, 0, nbytes + _TAIL_BYTES)
             mem = mmap.mmap(fd, nbytes + _TAIL_BYTES, flags=_MAP_FLAGS)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
-        os.close(fd)
         mem[nbytes:nbytes + PROBE_BYTES] = probe
         raw = torch.frombuffer(mem, dtype=torch.uint8)  # keeps the mapping alive
         tensor = raw[:nbytes].view(dtype).view(shape)
-        return cls(name, tensor, probe.hex())
+        return cls(name, tensor, probe.hex(), lock_fd=fd)
 
     def close(self) -> None:
         """Unlink the segment (idempotent). Tensors already mapped stay usable until dropped."""
@@ -106,6 +113,9 @@ class SharedKVPool:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> SharedKVPool:
         return self
@@ -173,37 +183,38 @@ def _map_exact(path: str, size: int) -> mmap.mmap | None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
+def _owner_dead(path: str, grace_s: float) -> bool:
+    """True if the segment is older than grace_s and no process holds its owner's lock."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
         return False
-    except PermissionError:
+    try:
+        if time.time() - os.fstat(fd).st_mtime < grace_s:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes
         return True
-    except (OverflowError, ValueError):
+    except OSError:  # BlockingIOError: its owner is alive
         return False
-    return True
+    finally:
+        os.close(fd)
 
 
-def cleanup_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink pdserve segments whose owner (in our pid namespace) is dead; returns their names."""
+def cleanup_stale_segments(shm_dir: str = SHM_DIR, grace_s: float = STALE_GRACE_S) -> list[str]:
+    """Unlink pdserve segments whose owner is dead (nobody holds the owner's flock), whichever pid
+    namespace it ran in; returns their names. Segments younger than `grace_s` are left alone."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return []
-    pidns = str(_pid_namespace())
     removed = []
     for name in names:
-        if not _NAME_RE.match(name):
-            continue
-        _, ns, pid, _ = name.rsplit("-", 3)
-        if ns != pidns or _pid_alive(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except OSError:
-            continue
+        if _NAME_RE.match(name) and _owner_dead(os.path.join(shm_dir, name), grace_s):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                continue
     if removed:
         log.info("removed %d stale KV segment(s): %s", len(removed), ", ".join(removed))
     return removed

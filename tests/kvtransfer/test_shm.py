@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -69,18 +70,30 @@ def test_fake_segment_with_the_right_name_and_size_is_rejected():
         os.unlink(pool.path)
 
 
-def test_cleanup_stale_segments():
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    stale = f"pdserve-test-{_pid_namespace()}-{child.pid}-abc123"
-    foreign_ns = f"pdserve-test-1-{child.pid}-abc124"  # another pid namespace: not ours to judge
-    for name in (stale, foreign_ns):
+def test_cleanup_removes_segments_whose_owner_died_in_any_pid_namespace():
+    """Liveness is the owner's flock, which the kernel drops when the process dies however it dies:
+    a segment left by a process killed without cleanup goes, from our pid namespace or another
+    (containers sharing one /dev/shm volume); a live owner's and a brand-new one's stay."""
+    code = ("import os; from pdserve.kvtransfer.shm import SharedKVPool; "
+            "p = SharedKVPool.create('dead', (4, 16), __import__('torch').float32); print(p.name, flush=True); "
+            "os._exit(0)")  # no atexit: the segment stays, as after kill -9
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    foreign_ns = "pdserve-test-1-12345-abc124"  # another container's pid namespace, owner gone
+    young = f"pdserve-test-{_pid_namespace()}-12345-abc125"  # just created: its owner may be about to lock it
+    for name in (foreign_ns, young):
         open(os.path.join(SHM_DIR, name), "wb").close()
     live = _create()
+    old = time.time() - 3600
+    for name in (dead, foreign_ns, live.name):
+        os.utime(os.path.join(SHM_DIR, name), (old, old))
     try:
         removed = cleanup_stale_segments()
-        assert stale in removed and live.name not in removed and foreign_ns not in removed
-        assert os.path.exists(live.path) and not os.path.exists(os.path.join(SHM_DIR, stale))
+        assert dead in removed and foreign_ns in removed
+        assert live.name not in removed and young not in removed
+        assert os.path.exists(live.path) and os.path.exists(os.path.join(SHM_DIR, young))
+        assert not os.path.exists(os.path.join(SHM_DIR, dead))
     finally:
         live.close()
-        os.unlink(os.path.join(SHM_DIR, foreign_ns))
+        for name in (dead, foreign_ns, young):
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
