@@ -37,6 +37,7 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+COMMON_ERROR_CODES = ("400", "401", "404", "413", "429", "500", "503")  # pre-created series of request_errors
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill", "first_token_delivery")
 
 
@@ -70,6 +71,10 @@ class RouterMetrics:
                                      ["reason"], registry=r)
         for reason in AUTH_REFUSAL_REASONS:  # every series exists from the start, at 0
             self.auth_refusals.labels(reason=reason)
+        for code in COMMON_ERROR_CODES:  # so error rates read 0, not "no data", before the first error
+            self.request_errors.labels(code=code)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(finished_reason=reason)
 
     def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """Scrape-time gauges: requests in flight, and (role, ready) of every live node."""

@@ -222,7 +222,7 @@ def test_restart_policy_brings_back_a_crashed_node(stack, reference):
     restarts = int(stack.inspect(victim, "{{.RestartCount}}"))
     # The node process dies (kill -9 of every process but the container's init): a crash, which is
     # what the restart policy (`unless-stopped`) is for.
-    docker("exec", victim, "kill", "-9", "-1", check=False)
+    docker("exec", victim, "sh", "-c", "kill -9 -1", check=False)
     stack.wait(lambda: int(stack.inspect(victim, "{{.RestartCount}}")) > restarts, 120, "the restart")
     stack.wait_pools(prefill=2, decode=2, timeout=600)
     assert_serves_exactly(stack, reference)

@@ -51,7 +51,7 @@ def test_completed_requests_move_counters_and_histograms(tokenizer):
         for stage in TTFT_STAGES:
             assert value(m, "pdserve_ttft_stage_seconds_count", stage=stage) == 2
         assert value(m, "pdserve_num_requests_running") == 0
-        assert not any(name == "pdserve_request_errors_total" for name, _ in m)
+        assert not any(v for (name, _), v in m.items() if name == "pdserve_request_errors_total")  # all 0
 
     run(scenario())
 
@@ -107,12 +107,23 @@ def test_ttft_stages_add_up_and_clamp():
 
 def test_two_routers_in_one_process_keep_separate_registries():
     a, b = RouterMetrics(), RouterMetrics()
-    a.observe_error(404)
-    # match the label, not the digits: a *_created timestamp can contain "404" by chance
-    assert b'code="404"' in _render(a) and b'code="404"' not in _render(b)
+    a.observe_error(409)  # not one of the codes every router pre-creates at 0
+    # match the label, not the digits: a *_created timestamp can contain "409" by chance
+    assert b'code="409"' in _render(a) and b'code="409"' not in _render(b)
 
 
 def _render(metrics: RouterMetrics) -> bytes:
     from prometheus_client import generate_latest
 
     return generate_latest(metrics.registry)
+
+
+def test_error_and_finish_series_exist_before_any_request():
+    """A dashboard's error-rate and finish-reason panels read 0, not "no data", on a fresh router."""
+    from pdserve.router.metrics import COMMON_ERROR_CODES
+
+    m = samples(_render(RouterMetrics()).decode())
+    for code in COMMON_ERROR_CODES:
+        assert ("pdserve_request_errors_total", frozenset({("code", code)})) in m
+    for reason in ("stop", "length", "abort"):
+        assert m[("pdserve_request_success_total", frozenset({("finished_reason", reason)}))] == 0
