@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def time_build(cold: bool) -> float:
-    if cold:
+    if cold:  # the images, their build cache and the wheelhouse; the base image and pip's cache stay
         for image in IMAGES:
             docker("rmi", "-f", image, check=False)
         docker("image", "prune", "-f", check=False)
@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             out["build_cold_s"] = time_build(cold=True)
         out["build_cached_s"] = time_build(cold=False)
         out["image_bytes"] = {i: int(docker("image", "inspect", "-f", "{{.Size}}", i).strip()) for i in IMAGES}
+        print(f"make image: cold {out.get('build_cold_s', float('nan')):.0f} s, cached {out['build_cached_s']:.1f} s; "
+              f"images {out['image_bytes']}", flush=True)
     tag = f"pdbench{os.getpid()}"
     if "serving" not in skip:
         out["serving"] = serving(args, tag + "s")

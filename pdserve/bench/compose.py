@@ -100,8 +100,8 @@ class ComposeStack(HttpClient):
         self.port, self.prometheus_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.prometheus_url = f"http://127.0.0.1:{self.prometheus_port}"
-        self.env = dict(os.environ, PDSERVE_PORT=str(self.port), PROMETHEUS_PORT=str(self.prometheus_port),
-                        PDSERVE_DTYPE="float32", OMP_NUM_THREADS="1", **(env or {}))
+        self.env = {**os.environ, "PDSERVE_PORT": str(self.port), "PROMETHEUS_PORT": str(self.prometheus_port),
+                    "PDSERVE_DTYPE": "float32", "OMP_NUM_THREADS": "1", **(env or {})}
         self.scale: dict[str, int] = {}
 
     # --- compose ------------------------------------------------------------------------------------
