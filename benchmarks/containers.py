@@ -35,6 +35,7 @@ from pdserve.bench.compose import (
     build_images,
     docker,
     metric_sum,
+    own_shm_override,
     write_override,
 )
 from pdserve.bench.datasets import random_requests
@@ -109,22 +110,16 @@ def serving(args, project: str) -> dict:
 
 
 def insecure_override(path: Path) -> Path:
-    """Every role with --insecure in place of its CURVE keys, decode on a /dev/shm of its own."""
+    """Every role with --insecure in place of its CURVE keys (decode's own /dev/shm: a second -f)."""
     def swap(service):
         cmd = base_command(service)
         i = cmd.index("--zmq-curve-keys")
         return cmd[:i] + ["--insecure"] + cmd[i + 2:]
-    return write_override(path, {
-        "router": {"command": swap("router")}, "prefill": {"command": swap("prefill")},
-        "decode": {"command": swap("decode"), **_own_shm()}})
+    return write_override(path, {service: {"command": swap(service)} for service in ("router", "prefill", "decode")})
 
 
-def _own_shm() -> dict:
-    return {"volumes": ["model-cache:/cache", "curve-keys:/keys:ro", {"type": "tmpfs", "target": "/dev/shm"}]}
-
-
-def kv_over_tcp(args, project: str, override: Path) -> dict:
-    stack = ComposeStack(project, files=[override], env={"PDSERVE_DTYPE": args.dtype})
+def kv_over_tcp(args, project: str, overrides: list[Path]) -> dict:
+    stack = ComposeStack(project, files=overrides, env={"PDSERVE_DTYPE": args.dtype})
     try:
         stack.up(prefill=1, decode=1)
         stack.wait_pools(prefill=1, decode=1, timeout=900)
@@ -168,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{median_of(runs, 'median_ttft_ms'):.1f} ms, TPOT p50 {median_of(runs, 'median_tpot_ms'):.2f} ms")
     if "curve" not in skip:
         with tempfile.TemporaryDirectory() as tmp:
-            own_shm = write_override(Path(tmp) / "own-shm.yml", {"decode": _own_shm()})
-            out["kv_curve"] = kv_over_tcp(args, tag + "c", own_shm)
-            out["kv_plain"] = kv_over_tcp(args, tag + "p", insecure_override(Path(tmp) / "insecure.yml"))
+            own_shm = own_shm_override(Path(tmp) / "own-shm.yml")
+            out["kv_curve"] = kv_over_tcp(args, tag + "c", [own_shm])
+            out["kv_plain"] = kv_over_tcp(args, tag + "p", [own_shm, insecure_override(Path(tmp) / "insecure.yml")])
         for name in ("kv_curve", "kv_plain"):
             r = out[name]
             print(f"{name}: {r['transfers']:.0f} transfers of {r['bytes_per_transfer'] / 1e6:.1f} MB, "

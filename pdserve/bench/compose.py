@@ -83,6 +83,13 @@ def write_override(path: Path, services: dict[str, dict]) -> Path:
     return path
 
 
+def own_shm_override(path: Path) -> Path:
+    """An override giving the decode nodes a /dev/shm of their own (not the shared `kv-shm`), as if
+    on another host: KV then goes over TCP between the containers."""
+    return write_override(path, {"decode": {"volumes": [
+        "model-cache:/cache", "curve-keys:/keys:ro", {"type": "tmpfs", "target": "/dev/shm"}]}})
+
+
 def base_command(service: str) -> list[str]:
     """The service's command in docker-compose.yml, as written (variables not yet substituted)."""
     return list(yaml.safe_load(COMPOSE_FILE.read_text())["services"][service]["command"])
@@ -140,9 +147,9 @@ class ComposeStack(HttpClient):
         args = ["--filter", f"label=com.docker.compose.project={self.project}"]
         return args + (["--filter", f"label=com.docker.compose.service={service}"] if service else [])
 
-    def containers(self, service: str | None = None, all: bool = False) -> list[str]:
-        """Names of the project's (running, or all) containers, of one service or all."""
-        out = docker("ps", *(["-a"] if all else []), *self._filter(service), "--format", "{{.Names}}")
+    def containers(self, service: str | None = None, stopped: bool = False) -> list[str]:
+        """Names of the project's running containers (and stopped ones too), of one service or all."""
+        out = docker("ps", *(["-a"] if stopped else []), *self._filter(service), "--format", "{{.Names}}")
         return sorted(out.split())
 
     def networks(self) -> list[str]:

@@ -37,7 +37,7 @@ from pdserve.bench.compose import (
     check_engine,
     docker,
     metric_sum,
-    write_override,
+    own_shm_override,
 )
 from tests.docker.compose import dashboard_exprs
 
@@ -94,7 +94,7 @@ def stack(engine, tmp_path_factory):
         yield s
     finally:
         s.close()
-        assert s.containers(all=True) == [] and s.volumes() == [], "the stack left something behind"
+        assert s.containers(stopped=True) == [] and s.volumes() == [], "the stack left something behind"
 
 
 def stream_ids(stack: ComposeStack, path: str, body: dict) -> list[int]:
@@ -328,15 +328,14 @@ def test_down_leaves_nothing_and_up_reuses_the_model_over_tcp(stack, reference):
     model_stamp = docker("run", "--rm", "-v", f"{stack.project}_model-cache:/cache", "--entrypoint", "sh",
                          "pdserve:cpu", "-c", "stat -c %Y /cache/models/*/config.json").strip()
     stack.down()
-    assert stack.containers(all=True) == [] and stack.networks() == []
+    assert stack.containers(stopped=True) == [] and stack.networks() == []
     # A /dev/shm of their own for the decode nodes: as if on another host, they pull KV over TCP.
-    no_shm = write_override(Path(stack.tmp) / "no-shm.yml", {"decode": {"volumes": [
-        "model-cache:/cache", "curve-keys:/keys:ro", {"type": "tmpfs", "target": "/dev/shm"}]}})
+    no_shm = own_shm_override(Path(stack.tmp) / "no-shm.yml")
     files = [*stack.files, no_shm]
     started = time.monotonic()
     stack.up(files=files)
     stack.wait_pools(prefill=2, decode=2, timeout=600)
-    init = stack.containers("model-init", all=True)[0]
+    init = stack.containers("model-init", stopped=True)[0]
     assert "Using the GGUF" not in stack.logs(init), "the model was converted again"
     assert docker("run", "--rm", "-v", f"{stack.project}_model-cache:/cache", "--entrypoint", "sh", "pdserve:cpu",
                   "-c", "stat -c %Y /cache/models/*/config.json").strip() == model_stamp

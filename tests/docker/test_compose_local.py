@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.compose import metric_sum, parse_metrics
 from pdserve.cli.serve import free_port
 from pdserve.kvtransfer.curve import generate_keys
 from tests.conftest import save_tiny_model, save_tiny_tokenizer
@@ -57,13 +56,8 @@ def local_argv(command: list[str], model: str, ports: dict[str, int], keys_dir: 
     return [sys.executable, "-m", "pdserve.cli.main", *argv]
 
 
-def interpolate(value: str) -> str:
-    """Compose's `${VAR:-default}` / `${VAR}` substitution, from this process's environment."""
-    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: os.environ.get(m.group(1)) or (m.group(2) or ""), value)
-
-
 def local_env(service: dict, cache_dir: Path) -> dict[str, str]:
-    env = dict(os.environ, **{k: interpolate(str(v)) for k, v in (service.get("environment") or {}).items()})
+    env = dict(os.environ, **{k: str(v) for k, v in (service.get("environment") or {}).items()})  # interpolated
     env.update(PYTHONPATH=str(ROOT), PDSERVE_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS="1")
     return env
 
@@ -87,16 +81,10 @@ def get(url: str, timeout: float = 10) -> tuple[int, bytes]:
         return 0, b""
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+def scrape(url: str) -> dict[tuple, float]:
     code, body = get(url + "/metrics")
     assert code == 200, url
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
-
-
-def total(metrics: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, lbls), v in metrics.items() if n == name and want <= lbls)
+    return parse_metrics(body.decode())
 
 
 class LocalCompose:
@@ -186,11 +174,11 @@ def test_compose_commands_serve_and_export_metrics(stack):
         assert len(ids) == MAX_TOKENS and reason == "length"
 
     router = scrape(stack.url)
-    assert total(router, "pdserve_request_success_total", finished_reason="length") == NUM_REQUESTS
-    assert total(router, "pdserve_time_to_first_token_seconds_count") == NUM_REQUESTS
-    assert total(router, "pdserve_generation_tokens_total") == NUM_REQUESTS * MAX_TOKENS
-    assert total(router, "pdserve_nodes", role="prefill") == NUM_PREFILL
-    assert total(router, "pdserve_nodes", role="decode") == NUM_DECODE
+    assert metric_sum(router, "pdserve_request_success_total", finished_reason="length") == NUM_REQUESTS
+    assert metric_sum(router, "pdserve_time_to_first_token_seconds_count") == NUM_REQUESTS
+    assert metric_sum(router, "pdserve_generation_tokens_total") == NUM_REQUESTS * MAX_TOKENS
+    assert metric_sum(router, "pdserve_nodes", role="prefill") == NUM_PREFILL
+    assert metric_sum(router, "pdserve_nodes", role="decode") == NUM_DECODE
 
     by_role: dict[str, list[dict]] = {"prefill": [], "decode": []}
     for node in nodes:
@@ -199,6 +187,6 @@ def test_compose_commands_serve_and_export_metrics(stack):
                      "pdserve_kv_transfer_bytes_total", "pdserve_num_requests_running"):
             assert any(n == name for n, _ in metrics), (node["node_id"], name)
         by_role[node["role"]].append(metrics)
-    assert sum(total(m, "pdserve_prefix_cache_queries_total") for m in by_role["prefill"]) > 0
-    assert any(total(m, "pdserve_kv_transfer_bytes_total", direction="received") > 0 for m in by_role["decode"])
-    assert sum(total(m, "pdserve_kv_transfer_seconds_count") for m in by_role["decode"]) == NUM_REQUESTS
+    assert sum(metric_sum(m, "pdserve_prefix_cache_queries_total") for m in by_role["prefill"]) > 0
+    assert any(metric_sum(m, "pdserve_kv_transfer_bytes_total", direction="received") > 0 for m in by_role["decode"])
+    assert sum(metric_sum(m, "pdserve_kv_transfer_seconds_count") for m in by_role["decode"]) == NUM_REQUESTS
