@@ -19,11 +19,14 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_rate
+from pdserve.bench.by_length import by_length_table
 from pdserve.bench.chaos import ChaosConfig, chaos_report
 from pdserve.bench.client import EndpointConfig, auth_headers
 from pdserve.bench.datasets import (
     SampleRequest,
+    bimodal_requests,
     load_tokenizer,
+    parse_output_lens,
     random_requests,
     sharegpt_requests,
     vocab_size_of,
@@ -47,7 +50,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="local tokenizer folder: exact token counts, text for chat")
     g.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=["random", "sharegpt"], default="random")
+    g.add_argument("--dataset-name", choices=["random", "sharegpt", "bimodal"], default="random",
+                   help="bimodal: random prompts of --random-input-len, outputs short or long (shortest-job-first)")
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
     g.add_argument("--num-prompts", type=int, default=1000)
     g.add_argument("--seed", type=int, default=0)
@@ -57,13 +61,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-vocab-size", type=int, default=None,
                    help="random ids are drawn below this (default: the tokenizer's size, else 256)")
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="cap on each reply's output length")
+    g.add_argument("--bimodal-output-lens", default="16,512", metavar="SHORT,LONG",
+                   help="bimodal: the two output lengths (default %(default)s)")
+    g.add_argument("--bimodal-long-fraction", type=float, default=0.2, help="bimodal: share of long requests (default 0.2)")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=parse_rate, default=math.inf, help="requests/s, or inf (default)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--num-warmups", type=int, default=0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on for random, off for sharegpt")
+                   help="default: on for random and bimodal, off for sharegpt")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--return-token-ids", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for vLLM's token_ids in each chunk, so a chunk of k tokens counts as k ITL samples "
@@ -117,13 +124,17 @@ def build_samples(args: argparse.Namespace, tokenizer, is_chat: bool) -> list[Sa
             print(f"note: {args.dataset_path} has {len(samples)} usable conversations of {args.num_prompts} asked")
         return samples
     vocab = args.random_vocab_size or vocab_size_of(tokenizer, 256)
+    if args.dataset_name == "bimodal":
+        return bimodal_requests(args.num_prompts, args.random_input_len, parse_output_lens(args.bimodal_output_lens),
+                                args.bimodal_long_fraction, vocab_size=vocab, seed=args.seed, as_text=is_chat,
+                                tokenizer=tokenizer)
     return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                            vocab_size=vocab, seed=args.seed, as_text=is_chat, tokenizer=tokenizer)
 
 
 def endpoint_config(args: argparse.Namespace) -> EndpointConfig:
     base = args.base_url or f"http://{args.host}:{args.port}"
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name in ("random", "bimodal")
     return EndpointConfig(api_url=base.rstrip("/") + "/" + args.endpoint.lstrip("/"),
                           model=args.model or first_model_id(base), ignore_eos=ignore_eos,
                           temperature=args.temperature, return_token_ids=args.return_token_ids,
@@ -160,6 +171,8 @@ def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[BenchmarkRu
         print_summary(summary, title=title, interrupted=run.interrupted, percentiles=args.percentiles)
         if run.chaos is not None:
             print(chaos_report(run.chaos, run.records))
+        if args.dataset_name == "bimodal":
+            print(by_length_table({f"rate {rate_label(run.request_rate)}": run.records}))
     if len(results) > 1:
         print(sweep_table([(run.request_rate, s) for run, s in results]))
     if args.save_json:

@@ -1,4 +1,5 @@
-"""The prompts a benchmark sends: random token ids (vLLM's `random` dataset) or ShareGPT conversations.
+"""The prompts a benchmark sends: random token ids (vLLM's `random` dataset), the same with a bimodal
+output length (`bimodal`: most requests short, some long, for shortest-job-first) or ShareGPT conversations.
 
 Lengths follow vLLM: with `range_ratio` r, input and output lengths are drawn uniformly from the
 integers in [floor(len * (1 - r)), ceil(len * (1 + r))] (outputs at least 1). Random prompts are
@@ -61,6 +62,35 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
             prompt = tokenizer.decode(ids) if tokenizer is not None else " ".join(rng.choices(_WORDS, k=n_in))
         out.append(SampleRequest(prompt, n_in, n_out))
     return out
+
+
+def bimodal_requests(num_prompts: int, input_len: int, output_lens: tuple[int, int], long_fraction: float, *,
+                     vocab_size: int, seed: int = 0, as_text: bool = False, tokenizer=None) -> list[SampleRequest]:
+    """Random prompts of `input_len` tokens; each asks for the short output length (`output_lens[0]`)
+    or, with probability `long_fraction`, the long one: the shortest-job-first workload (80% at 16
+    and 20% at 512 by default in `pdserve bench serve`). Seeded: the classes do not depend on the
+    prompts' ids."""
+    short_len, long_len = output_lens
+    if not 0 < short_len < long_len:
+        raise ValueError(f"bimodal output lengths must be SHORT,LONG with 0 < SHORT < LONG, got {short_len},{long_len}")
+    if not 0 <= long_fraction <= 1:
+        raise ValueError(f"bimodal long fraction must be in [0, 1], got {long_fraction}")
+    rng = random.Random(seed + 1)
+    samples = random_requests(num_prompts, input_len, short_len, 0.0, vocab_size=vocab_size, seed=seed,
+                              as_text=as_text, tokenizer=tokenizer)
+    for sample in samples:
+        if rng.random() < long_fraction:
+            sample.output_len = long_len
+    return samples
+
+
+def parse_output_lens(text: str) -> tuple[int, int]:
+    """'16,512' -> (16, 512)."""
+    try:
+        short_len, long_len = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"bimodal output lengths are SHORT,LONG (two integers), got {text!r}") from None
+    return short_len, long_len
 
 
 def count_tokens(text: str, tokenizer=None) -> int:

@@ -24,6 +24,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve.cli.scheduling_args import SCHEDULING_ARG_NAMES, add_scheduling_args
+
 DEFAULT_BATCHED_TOKENS = 2048
 # A CPU's GEMMs run within ~5% of full speed at 512 tokens, so a prefill node that takes 512 prompt
 # tokens per step hands each first token (and its KV) to the decode node several times sooner than
@@ -53,7 +55,8 @@ LAZY_COMMANDS = {
 
 ENGINE_ARG_NAMES = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-                    "enable_chunked_prefill", "swap_space_gb", "num_threads", "enforce_eager", "seed")
+                    "enable_chunked_prefill", "swap_space_gb", "num_threads", "enforce_eager", "seed",
+                    *SCHEDULING_ARG_NAMES, "speculative_config")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
@@ -89,6 +92,22 @@ def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> N
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode without CUDA graphs (default: off)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's draws (default: %(default)s)")
+    add_scheduling_args(g)
+    g.add_argument("--speculative-config", type=speculative_config_arg, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 3}\' or \'{"model": DRAFT_PATH, "num_speculative_tokens": 4}\' '
+                        "(default: off)")
+
+
+def speculative_config_arg(text: str) -> str:
+    """argparse type of --speculative-config: the JSON text, once it parses into a valid config."""
+    from pdserve.engine.spec_decode.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def engine_argv(args: argparse.Namespace, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> list[str]:

@@ -6,6 +6,8 @@ It also supervises them, as a container restart policy would: a process that die
 again with the same arguments (a node re-registers, a router comes back on the same ports and
 the nodes re-register with it), unless it keeps dying (`MAX_RESTARTS` within `RESTART_WINDOW_S`),
 in which case the stack stops. `--no-restart` stops the stack at the first death instead.
+With `--api-server-count N` the router is N processes sharing `--port` (`pdserve router
+--api-server-count N`, which supervises them itself), and every node registers with each of them.
 
 Before it starts anything it checks what would otherwise fail later (cli/preflight.py): unknown
 flags, flags in --prefill-args/--decode-args/--router-args that the role's own parser refuses or
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="port of the router's HTTP API (default: %(default)s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: the alias, the .gguf file's stem or the folder's name)")
+    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="router processes sharing --port, each node registering with all of them "
+                        "(`pdserve router --api-server-count`) (default: %(default)s)")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill nodes (default: %(default)s)")
     g.add_argument("--num-decode", type=int, default=1, help="decode nodes (default: %(default)s)")
     g.add_argument("--colocated", action="store_true",
@@ -90,7 +95,9 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
          instance_id: str) -> list[tuple[str, list[str]]]:
     """(name, argv) of every process to start, router first."""
     py = [sys.executable, "-m"]
-    control = f"tcp://127.0.0.1:{free_port()}"
+    # One control socket per router process; every node registers with all of them.
+    control = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(args.api_server_count))
+    many = ["--api-server-count", str(args.api_server_count)] if args.api_server_count > 1 else []
     named = ["--served-model-name", args.served_model_name] if args.served_model_name else []
     secure = ["--zmq-curve-keys", args.zmq_curve_keys] if args.zmq_curve_keys else []
     common = ["--model", args.model, "--log-level", args.log_level, *named, *secure,
@@ -100,7 +107,7 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_nodes)
     procs = [("router", py + ["pdserve.router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
                               "--instance-id", instance_id, "--log-level", args.log_level, "--model", args.model,
-                              *named, *secure, *(["--api-key", args.api_key] if args.api_key else []),
+                              *named, *secure, *(["--api-key", args.api_key] if args.api_key else []), *many,
                               *shlex.split(args.router_args)])]
     for role, count in roles:
         module = "pdserve.decode" if role == "decode" else "pdserve.prefill"
@@ -249,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(join_role_args(sys.argv[1:] if argv is None else argv))
     if not 0 < args.port < 65536:  # 0 would be a free port this command could not find
         parser.error(f"argument --port: {args.port} is not a port number (1..65535)")
+    if args.api_server_count < 1:
+        parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
     role_args = {"--prefill-args": args.prefill_args, "--decode-args": args.decode_args,
                  "--router-args": args.router_args}
     error = check_role_args({flag: value for flag, value in role_args.items() if value}, args.zmq_curve_keys)

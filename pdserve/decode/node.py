@@ -29,12 +29,12 @@ import time
 from collections import deque
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, child_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch
 from pdserve.kvtransfer.receiver import KVEventKind
 from pdserve.node.faults import FaultInjection
-from pdserve.node.messages import token_event
+from pdserve.node.messages import token_events
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.router_link import RouterLink
 
@@ -94,6 +94,8 @@ class DecodeNode:
         elif event.kind == KVEventKind.DONE:
             request = self.scheduler.remote_kv_done(rid)
             if request is not None:
+                for i in range(request.params.n if request.forks else 0):  # forked: route its choices' tokens
+                    self.link.adopt(child_id(rid, i), self.link.origin(rid))
                 request.timings["kv_done"] = time.time()
                 self._transfer_done(request, event.num_bytes)
                 self.timings.append({"request_id": rid, **request.timings})
@@ -103,6 +105,7 @@ class DecodeNode:
                                  retryable=True))
 
     def _on_ready(self, ready: KVReady) -> None:
+        self.link.adopt(ready.request_id, ready.router)  # its tokens and errors go back to that router
         if self.scheduler.num_waiting_for_kv >= self.max_queue_len:  # the prefill node frees, the router retries
             error = f"decode queue full ({self.max_queue_len} waiting for KV)"
             self.receiver.release(ready.request_id, error=error)
@@ -112,7 +115,7 @@ class DecodeNode:
             params = SamplingParams.from_dict(ready.sampling)
             request = Request(ready.request_id, list(ready.prompt_token_ids), params, priority=ready.priority,
                               num_prior_output_tokens=ready.num_prior_output_tokens)
-            request.append_output(ready.first_token, ready.first_logprobs)
+            _first_tokens(request, ready, self.engine.config.max_num_seqs)
             request.timings["kv_ready_received"] = time.time()
             request.kv_lease_renewed_at = time.monotonic()  # the lease was just granted
             self.scheduler.add_remote(request)
@@ -145,9 +148,9 @@ class DecodeNode:
     def _step(self) -> None:
         if self.faults is not None:
             self.faults.delay_step()
-        tokens = [token_event(r) for r in self.engine.step_requests()]
+        tokens = [t for r in self.engine.step_requests() for t in token_events(r)]  # several a step when speculating
         if tokens:
-            self.link.send(TokenBatch(node_id=self.node_id, tokens=tokens))
+            self.link.send(TokenBatch.from_tokens(self.node_id, tokens))
 
     # ---- reporting --------------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat:
@@ -175,3 +178,17 @@ class DecodeNode:
                                num_shm_transfers=self.receiver.num_shm_copies,
                                num_zmq_transfers=self.receiver.num_zmq_pulls,
                                auth_refusals=self.receiver.auth_refusals)
+
+
+def _first_tokens(request: Request, ready: KVReady, max_num_seqs: int) -> None:
+    """The prefill node's first token; for n > 1, each choice's, kept until the fork."""
+    n = request.params.n
+    if n == 1:
+        request.append_output(ready.first_token, ready.first_logprobs)
+        return
+    if n > max_num_seqs:
+        raise ValueError(f"n={n} exceeds this decode node's max_num_seqs={max_num_seqs}")
+    logprobs = ready.choice_first_logprobs or [None] * n
+    if len(ready.choice_first_tokens) != n or len(logprobs) != n:
+        raise ValueError(f"KVReady for n={n} carries {len(ready.choice_first_tokens)} first tokens")
+    request.choice_first_tokens = list(zip(ready.choice_first_tokens, logprobs))

@@ -18,3 +18,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int32: block * block_size + offset for each new token; -1 = skip
     max_query_len: int  # host-side maxima, so kernel launches need no device-to-host sync
     max_seq_len: int
+
+
+@dataclass
+class BatchChunk:
+    """One request's part of a flattened batch, before it becomes tensors (model_runner.prepare_chunks)."""
+
+    token_ids: list[int]  # fed this step
+    start: int  # position of token_ids[0]: the KV of positions [0, start) is already in the blocks
+    block_ids: list[int]  # the request's block table; covers positions up to start + len(token_ids)
+    num_logits: int  # logits wanted for the last num_logits tokens (0: none)

@@ -10,8 +10,15 @@ request whose leading blocks hash to cached keys shares those physical blocks (r
 and skips their prefill. A block whose refcount drops to 0 keeps its key and its KV: it sits in
 an LRU list and is evicted (key dropped) only when the free list runs dry.
 
+Forks (parallel sampling, n > 1). `fork` gives a new table the same blocks as an existing one
+(refcounts +1): the choices of one request hold the prompt's KV once. A shared block is never
+written in place: `copy_on_write` first gives the writer a private copy of every shared block its
+next tokens land in (in practice the partly filled last prompt block), as (src, dst) pairs the
+model runner copies before the forward; the last holder writes the original.
+
 Invariant (tests check it after every step):
     num_free_blocks + num_evictable_blocks + num_used_blocks == num_blocks
+    each block's refcount == the number of tables that hold it
 """
 
 from __future__ import annotations
@@ -103,12 +110,16 @@ class BlockManager:
 
     # ---- allocate / free ----------------------------------------------------------------
     def can_allocate(
-        self, request_id: str, num_tokens: int, computed_block_ids: Sequence[int] = (), *, reserve: bool = False
+        self, request_id: str, num_tokens: int, computed_block_ids: Sequence[int] = (), *, reserve: bool = False,
+        write_from: int | None = None,
     ) -> bool:
         """Can the request hold `num_tokens` tokens of KV? `computed_block_ids` are prefix hits it
-        would take (first admission only); `reserve` keeps the watermark back (new admissions)."""
+        would take (first admission only); `reserve` keeps the watermark back (new admissions);
+        `write_from` counts the copies `copy_on_write(request_id, write_from, num_tokens)` needs."""
         have = len(self.tables.get(request_id, ())) or len(computed_block_ids)
         num_needed = self.num_blocks_for(num_tokens) - have
+        if write_from is not None:
+            num_needed += len(self._shared_in(request_id, write_from, num_tokens))
         # Hit blocks that are evictable leave the pool when taken.
         num_needed += sum(1 for b in computed_block_ids if self.ref_counts[b] == 0)
         headroom = self.watermark_blocks if reserve else 0
@@ -143,6 +154,55 @@ class BlockManager:
             else:
                 self.free_ids.append(block_id)
         self.keys.pop(request_id, None)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Drop the table's blocks past those `num_tokens` tokens need: speculative decoding rolls
+        back the slots of rejected draft tokens, and a block left holding nothing is released."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] > 0:
+                continue
+            if self.block_keys[block_id] is not None:
+                self.evictable[block_id] = None
+            else:
+                self.free_ids.append(block_id)
+
+    # ---- forks and copy-on-write --------------------------------------------------------
+    def fork(self, src_id: str, dst_id: str) -> list[int]:
+        """Give `dst_id` a table holding the same blocks as `src_id` (refcounts +1, no copy)."""
+        if dst_id in self.tables:
+            raise ValueError(f"request {dst_id} already holds blocks")
+        table = self.tables[dst_id] = list(self.tables[src_id])
+        for block_id in table:
+            self.ref_counts[block_id] += 1
+        if src_id in self.keys:
+            self.keys[dst_id] = list(self.keys[src_id])
+        return table
+
+    def _shared_in(self, request_id: str, start: int, end: int) -> list[int]:
+        """Logical indices of the request's blocks that positions [start, end) write into and
+        that another table also holds."""
+        table = self.tables.get(request_id, ())
+        last = min(len(table), self.num_blocks_for(end))
+        return [i for i in range(start // self.block_size, last) if self.ref_counts[table[i]] > 1]
+
+    def copy_on_write(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
+        """Before KV is written at positions [start, end): give the request a private copy of each
+        shared block the range touches. Returns (src, dst) block copies to make before the forward
+        (the caller checked room with `can_allocate(..., write_from=start)`)."""
+        table = self.tables[request_id]
+        copies = []
+        for i in self._shared_in(request_id, start, end):
+            src = table[i]
+            self.ref_counts[src] -= 1  # still >= 1: another table holds it
+            table[i] = self._pop_free()
+            copies.append((src, table[i]))
+        return copies
 
     def _take(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:

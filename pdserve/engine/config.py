@@ -9,6 +9,13 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.dtypes import parse_dtype
+from pdserve.engine.scheduling_policy import (
+    DEFAULT_SCHEDULING_POLICY,
+    DEFAULT_SJF_AGING_S,
+    DEFAULT_SJF_LENGTH_FACTOR,
+    check_scheduling_values,
+)
+from pdserve.engine.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -29,9 +36,17 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on the CPU
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py); the CPU is always eager
     seed: int = 0
+    # Speculative decoding (engine/spec_decode/): a SpeculativeConfig, a dict of vLLM's keys, or
+    # their JSON; None = off. Parsed and checked here; a draft model is loaded by the engine.
+    speculative_config: SpeculativeConfig | dict | str | None = None
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # fcfs | priority | sjf (engine/scheduling_policy.py)
+    sjf_length_factor: float = DEFAULT_SJF_LENGTH_FACTOR  # sjf: estimate = min(prompt len x factor, max_tokens)
+    sjf_aging_s: float = DEFAULT_SJF_AGING_S  # sjf: a request that waited this long is no longer overtaken
 
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        check_scheduling_values(self.scheduling_policy, self.sjf_length_factor, self.sjf_aging_s)
         if self.dtype != "auto":
             parse_dtype(self.dtype)  # ValueError naming the choices
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

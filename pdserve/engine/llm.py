@@ -2,10 +2,14 @@
 
     llm = LLM("smollm2")
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+With `SamplingParams(n=k)` a prompt gets k outputs in `outs[i].outputs` (choice j at j), from one
+prefill whose KV blocks the k sequences share.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -13,6 +17,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
+from pdserve.engine.request import child_id
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,10 @@ class LLM:
         enforce_eager: bool = False,
         seed: int = 0,
         skip_tokenizer_init: bool = False,
+        speculative_config: dict | str | None = None,  # vLLM's keys (engine/spec_decode/config.py)
+        scheduling_policy: str = "fcfs",
+        sjf_length_factor: float = 1.0,
+        sjf_aging_s: float = 30.0,
     ) -> None:
         from pdserve.engine.loader import resolve_model  # file I/O and maybe a download: only in this factory
 
@@ -49,6 +58,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             swap_space_gb=swap_space_gb, num_threads=num_threads, enforce_eager=enforce_eager, seed=seed,
+            speculative_config=speculative_config,
+            scheduling_policy=scheduling_policy, sjf_length_factor=sjf_length_factor, sjf_aging_s=sjf_aging_s,
         )
         self.tokenizer = _load_tokenizer(model_path) if not skip_tokenizer_init else None
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
@@ -60,7 +71,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for every prompt (text or token ids); outputs come back in prompt order, one
+        per prompt, with its n choices in `.outputs`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = self._per_prompt(params if params is not None else SamplingParams(), len(prompts), "params")
@@ -70,7 +82,7 @@ class LLM:
         try:
             for tokens, sp, prio in zip(token_lists, params_list, priorities):
                 ids.append(self.engine.add_request(tokens, sp, priority=prio))
-            results = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) > 1)
+            results = self._run(ids, [sp.n for sp in params_list], use_tqdm if use_tqdm is not None else len(ids) > 1)
         except BaseException:
             for request_id in ids:  # never leave half a batch holding blocks
                 self.engine.abort(request_id)
@@ -88,17 +100,19 @@ class LLM:
             token_ids = token_ids["input_ids"]
         return self.generate([list(token_ids)], params, use_tqdm=False)[0]
 
-    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        pending = set(ids)
+    def _run(self, ids: list[str], ns: list[int], show_progress: bool) -> list[RequestOutput]:
+        """Step until every request is done; an n > 1 request is done when its n choices are."""
+        choices = {rid: [child_id(rid, i) for i in range(n)] if n > 1 else [rid] for rid, n in zip(ids, ns)}
+        pending = {c for cs in choices.values() for c in cs}
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not show_progress, unit="req") as bar:
+        with tqdm(total=len(pending), desc="generate", disable=not show_progress, unit="seq") as bar:
             while pending:
                 for out in self.engine.step():
                     if out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
                         bar.update(1)
-        return [done[i] for i in ids]
+        return [_merge(rid, [done[c] for c in cs]) if len(cs) > 1 else done[rid] for rid, cs in choices.items()]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -116,6 +130,14 @@ class LLM:
                 raise ValueError(f"{name}: got {len(value)} values for {n} prompts")
             return list(value)
         return [value] * n
+
+
+def _merge(request_id: str, choices: list[RequestOutput]) -> RequestOutput:
+    """One output for an n > 1 request from its choices' (in index order)."""
+    first = choices[0]
+    outputs = [dataclasses.replace(c.outputs[0], index=i) for i, c in enumerate(choices)]
+    return dataclasses.replace(first, request_id=request_id, outputs=outputs,
+                               metrics={"num_preemptions": sum(c.metrics.get("num_preemptions", 0) for c in choices)})
 
 
 def _load_tokenizer(model_path):

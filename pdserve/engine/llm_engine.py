@@ -27,6 +27,17 @@ _GIB = 1 << 30
 
 
 @dataclass
+class CompletionOutput:
+    """One output sequence of a request (vLLM's name): choice `index` of its n."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -37,6 +48,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt: str | None = None
     metrics: dict = field(default_factory=dict)
+    # Every choice, index i at i (vLLM's RequestOutput.outputs); the fields above are choice 0's.
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [CompletionOutput(0, self.token_ids, self.text, self.finish_reason, self.logprobs)]
 
     @property
     def finished(self) -> bool:
@@ -53,10 +70,13 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.runner = ModelRunner(config, self.model_config, self._model_len_limit())
+        self.proposer = self._make_proposer()  # speculative decoding's proposer, or None
         num_blocks, num_host_blocks = self._size_pools()
         # A lone request must always fit the pool, or preemption could never make room for it.
         config.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
         self.runner.allocate_kv(num_blocks, num_host_blocks, kv_allocator)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks)  # a draft model's pool: the same block ids
         if config.use_cuda_graphs:  # at start-up, not on the first request; logs the capture time
             self.runner.init_decode_graphs(config.max_model_len)
         self.block_manager = BlockManager(
@@ -68,6 +88,10 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            scheduling_policy=config.scheduling_policy,
+            sjf_length_factor=config.sjf_length_factor,
+            sjf_aging_s=config.sjf_aging_s,
+            num_lookahead_tokens=config.speculative_config.num_speculative_tokens if self.proposer else 0,
         )
         self.scheduler = Scheduler(sched_config, self.block_manager, self.model_config.eos_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -80,6 +104,8 @@ class LLMEngine:
         cfg = self.config
         bytes_per_block = (self.model_config.kv_elements_per_token * cfg.block_size
                            * torch.tensor([], dtype=cfg.torch_dtype).element_size())
+        if self.proposer is not None:  # a draft model's KV sits in blocks of the same ids
+            bytes_per_block += self.proposer.kv_bytes_per_block()
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and cfg.device.startswith("cuda"):
             num_blocks = self.runner.profile_num_kv_blocks(bytes_per_block, cfg.gpu_memory_utilization)
@@ -106,6 +132,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in prompt_token_ids):
             raise ValueError(f"request {request_id}: prompt token ids must be in [0, {vocab})")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"request {request_id}: n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         request = Request(request_id, list(prompt_token_ids), params, priority=priority,
                           num_prior_output_tokens=num_prior_output_tokens)
         self.scheduler.add_request(request)
@@ -113,9 +141,13 @@ class LLMEngine:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort a request (an n > 1 request: every choice still held); returns those aborted."""
+        aborted = self.scheduler.abort(request_id)
+        for request in aborted:
+            self.detokenizers.pop(request.request_id, None)
         self.detokenizers.pop(request_id, None)
+        return aborted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -139,8 +171,12 @@ class LLMEngine:
         """Run one iteration; returns outputs for requests that finished in it."""
         finished = []
         for request in self.step_requests():
-            if not request.is_finished and self._hit_stop_string(request):
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            # Finished ones too: their last tokens' text (and a stop string in it) counts.
+            if self._hit_stop_string(request):
+                if request.is_finished:  # by length or a stop token, blocks already released
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 finished.append(request)
         return [self._output(r) for r in finished]
@@ -149,16 +185,51 @@ class LLMEngine:
         """Run one iteration; returns every request that got a new token in it (finished ones
         included, their blocks already released). The nodes stream from this."""
         out = self.scheduler.schedule()
+        if self.proposer is not None:
+            self.proposer.propose(out)  # draft tokens into the lookahead slots the scheduler gave
         sampled = self.runner.execute(out)
         self.scheduler.postprocess(out, sampled)
-        return [item.request for item in out.scheduled if item.request.request_id in sampled]
+        stepped = []
+        for item in out.scheduled:
+            children = out.forked.get(item.request.request_id)
+            if children is not None:  # an n > 1 request forked into its choices: they stream from now on
+                self._fork_detokenizers(item.request.request_id, children)
+                stepped += children
+            elif item.request.request_id in sampled:
+                stepped.append(item.request)
+        return stepped
+
+    def _fork_detokenizers(self, parent_id: str, children: list[Request]) -> None:
+        parent = self.detokenizers.pop(parent_id, None)
+        if parent is not None:
+            for child in children:
+                self.detokenizers[child.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, child.prompt_token_ids, child.params.stop)
 
     def _hit_stop_string(self, request: Request) -> bool:
         detok = self.detokenizers.get(request.request_id)
         if detok is None or not detok.stop:
             return False
-        detok.add_tokens(request.output_token_ids[-1:])
-        return detok.stopped
+        new = request.output_token_ids[len(request.output_token_ids) - max(1, request.num_new_output_tokens):]
+        for i, token_id in enumerate(new):  # one at a time: a speculative step may append several
+            detok.add_tokens([token_id])
+            if detok.stopped:
+                request.drop_last_outputs(len(new) - i - 1)  # as without speculation: end at the stop
+                return True
+        return False
+
+    def _make_proposer(self):
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        from pdserve.engine.spec_decode import make_proposer
+
+        return make_proposer(spec, self.config, self.model_config, self.runner.max_model_len)
+
+    @property
+    def spec_stats(self):
+        """Speculative decoding's counters (SpecDecodeStats): drafts, accepted, per position."""
+        return self.scheduler.spec_stats
 
     def _output(self, request: Request) -> RequestOutput:
         detok = self.detokenizers.pop(request.request_id, None)

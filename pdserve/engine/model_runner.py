@@ -17,13 +17,14 @@ import logging
 
 import torch
 
-from pdserve.engine.attention_metadata import AttentionMetadata
+from pdserve.engine.attention_metadata import AttentionMetadata, BatchChunk
 from pdserve.engine.config import EngineConfig, cpu_has_native_bf16
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
+from pdserve.engine.rejection_sampler import verify_drafts
 from pdserve.engine.sampler import Sampler, SamplingInput
 from pdserve.engine.scheduler import SchedulerOutput
 
@@ -118,8 +119,10 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None]]:
-        """Run the step; returns request id → (sampled token, logprobs) for requests that sample."""
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None] | list]:
+        """Run the step; returns request id → (sampled token, logprobs) for requests that sample,
+        or, for a request that had draft tokens to verify, the list of such pairs it emits
+        (the accepted drafts, then the target's own token: engine/rejection_sampler.py)."""
         self._swap(out)
         if out.is_empty:
             return {}
@@ -133,25 +136,43 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])
-        rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
+        if any(s.spec_token_ids for s in sampling):
+            return verify_drafts(self.sampler, logits, sampling)
+        # One row per draw: an n > 1 request about to fork draws each choice from its one logits row.
+        draws = [(j, key, params, s.request) for j, s in enumerate(sampling) for key, params in s.request.sampling_rows()]
+        if len(draws) != len(sampling):
+            logits = logits[torch.tensor([j for j, *_ in draws], device=logits.device)]
+        rows = [SamplingInput(params, *request.sampling_view()) for _, _, params, request in draws]
         result = self.sampler(logits, rows)
-        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
+        return {key: (tok, lp) for (_, key, _, _), tok, lp in zip(draws, result.token_ids, result.logprobs)}
 
     def prepare_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md."""
-        token_ids: list[int] = []
-        query_lens, seq_lens, starts, logits_indices = [], [], [], []
+        """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request
+        with draft tokens feeds them after its last token (query length 1 + k) and wants the
+        logits of all 1 + k positions."""
+        chunks = []
         for s in out.scheduled:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            token_ids.extend(s.request.all_token_ids[start:end])
-            starts.append(start)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            if s.samples:
-                logits_indices.append(len(token_ids) - 1)
-        max_blocks = max(len(s.block_ids) for s in out.scheduled)
-        tables = [s.block_ids + [-1] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+            token_ids = s.request.all_token_ids[start:end]
+            if s.spec_token_ids:
+                token_ids = token_ids + s.spec_token_ids
+            num_logits = 1 + len(s.spec_token_ids) if s.samples else 0
+            chunks.append(BatchChunk(token_ids, start, s.block_ids, num_logits))
+        return self.prepare_chunks(chunks)
 
+    def prepare_chunks(self, chunks: list[BatchChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                torch.Tensor]:
+        """(input ids [T], positions [T], metadata, logits indices) of one flattened batch."""
+        token_ids: list[int] = []
+        query_lens, seq_lens, starts, logits_indices = [], [], [], []
+        for c in chunks:
+            token_ids.extend(c.token_ids)
+            starts.append(c.start)
+            query_lens.append(len(c.token_ids))
+            seq_lens.append(c.start + len(c.token_ids))
+            logits_indices.extend(range(len(token_ids) - c.num_logits, len(token_ids)))
+        max_blocks = max(len(c.block_ids) for c in chunks)
+        tables = [c.block_ids + [-1] * (max_blocks - len(c.block_ids)) for c in chunks]
         qlens = torch.tensor(query_lens, dtype=torch.int32)
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         torch.cumsum(qlens, 0, out=qsl[1:])
@@ -171,6 +192,14 @@ class ModelRunner:
         ids = upload(torch.tensor(token_ids, dtype=torch.int64))
         return ids, upload(positions), meta, upload(torch.tensor(logits_indices, dtype=torch.int64))
 
+    @torch.inference_mode()
+    def greedy_next(self, chunks: list[BatchChunk]) -> list[int]:
+        """One forward over `chunks` (each wanting one logit row, its last token's); the argmax of
+        each. The draft proposer's step: it writes this runner's own KV pool."""
+        input_ids, positions, meta, logits_indices = self.prepare_chunks(chunks)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        return self.model.compute_logits(hidden[logits_indices]).argmax(-1).tolist()
+
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device. On CUDA: staged in pinned memory and copied with
         non_blocking, so the host goes on building the step while the copy runs (the caching host
@@ -180,10 +209,14 @@ class ModelRunner:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _swap(self, out: SchedulerOutput) -> None:
-        """Swap-outs first: a device block freed by a swap-out may be swapped into this step."""
+        """Swap-outs first: a device block freed by a swap-out may be swapped into this step.
+        Copy-on-writes next: their sources are read before any swap-in can reuse a freed one."""
         if out.blocks_to_swap_out:
             dev_ids, host_ids = _split_pairs(out.blocks_to_swap_out)
             self.host_buffer[:, :, host_ids] = self.kv_buffer[:, :, dev_ids.to(self.device)].cpu()
+        if out.blocks_to_copy:
+            src_ids, dst_ids = _split_pairs(out.blocks_to_copy)
+            self.kv_buffer[:, :, dst_ids.to(self.device)] = self.kv_buffer[:, :, src_ids.to(self.device)]
         if out.blocks_to_swap_in:
             host_ids, dev_ids = _split_pairs(out.blocks_to_swap_in)
             self.kv_buffer[:, :, dev_ids.to(self.device)] = self.host_buffer[:, :, host_ids].to(self.device)

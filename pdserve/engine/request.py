@@ -18,6 +18,11 @@ States (`RequestStatus`), per role; the scheduler moves a request between them:
     decode node:  WAITING_FOR_KV ─▶ RECEIVING_KV ─▶ RUNNING ─▶ FINISHED_*
                   (KV announced,    (blocks here,    (prompt KV computed elsewhere)
                    no blocks)        copy in flight)
+
+Parallel sampling (n > 1). A *parent* request (params.n > 1) is prefilled once; the step that
+samples its first tokens draws one per choice from the same logits and forks it into n *children*
+`{request_id}#{i}` (`child_id`), ordinary n = 1 requests sampling with `params.for_choice(i)`, that
+share the parent's blocks by reference count; the parent itself then leaves the scheduler.
 """
 
 from __future__ import annotations
@@ -77,6 +82,13 @@ class Request:
     kv_pull_started_at: float | None = None
     # Tie-break for equal arrival times: admission order is stable.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    # Output tokens the last engine step appended: 1, or up to k + 1 with speculative decoding.
+    num_new_output_tokens: int = 0
+    # Parallel sampling: a child's parent id and choice index; a decode node's parent carries each
+    # choice's first token (token id, logprobs), sampled by the prefill node, until it forks.
+    parent_id: str | None = None
+    choice_index: int = 0
+    choice_first_tokens: list[tuple[int, dict[int, float] | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -116,8 +128,47 @@ class Request:
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
 
+    def drop_last_outputs(self, num: int) -> None:
+        """Forget the last `num` output tokens (a stop string ended the request before them)."""
+        if num <= 0:
+            return
+        del self.output_token_ids[-num:]
+        del self.all_token_ids[-num:]
+        if self.output_logprobs:
+            del self.output_logprobs[-num:]
+        self.num_new_output_tokens = max(0, self.num_new_output_tokens - num)
+
     def append_output(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    # ---- parallel sampling ----------------------------------------------------------------
+    @property
+    def forks(self) -> bool:
+        """A parent of n > 1 choices: its next draw forks it into its children."""
+        return self.params.n > 1
+
+    def sampling_rows(self) -> list[tuple[str, SamplingParams]]:
+        """(request id, params) of each draw its next logits feed: itself, or its n choices."""
+        if not self.forks:
+            return [(self.request_id, self.params)]
+        return [(child_id(self.request_id, i), self.params.for_choice(i)) for i in range(self.params.n)]
+
+    def fork(self, index: int) -> Request:
+        """Choice `index`: the same prompt, KV progress, order and timings; its own params. The
+        caller gives it blocks (`BlockManager.fork`) and its first token."""
+        return Request(
+            child_id(self.request_id, index), self.prompt_token_ids, self.params.for_choice(index),
+            priority=self.priority, arrival_time=self.arrival_time, status=self.status,
+            num_computed_tokens=self.num_computed_tokens, num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=self.num_preemptions, num_prior_output_tokens=self.num_prior_output_tokens,
+            timings=dict(self.timings), arrival_seq=self.arrival_seq, parent_id=self.request_id,
+            choice_index=index,
+        )
+
+
+def child_id(request_id: str, index: int) -> str:
+    """The id choice `index` of an n > 1 request runs under (the nodes stream tokens with it)."""
+    return f"{request_id}#{index}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # ends the request; kept in token_ids
     ignore_eos: bool = False  # keep going past EOS
     logprobs: int | None = None  # top-n logprobs per output token (plus the sampled token)
+    n: int = 1  # output sequences (choices) for the prompt; they share its KV blocks (see for_choice)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +50,7 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a boolean", self.ignore_eos)
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs",
                "an integer in [0, 20] or None", self.logprobs)
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +59,13 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters choice `index` of an n > 1 request samples with: n = 1 and, when seeded,
+        the derived seed `seed + index` (vLLM's rule), so choice i equals a single request seeded
+        with seed + i. Unseeded choices draw independent uniforms from the sampler's generator."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def to_dict(self) -> dict:
         """Plain values only (for the wire)."""

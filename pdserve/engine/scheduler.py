@@ -6,8 +6,10 @@ Each step, in this order:
      running request is preempted: swapped to host blocks when swap space allows, else its
      blocks are freed and it is recomputed later. It may be the request being scheduled.
   2. If nothing was preempted: swapped requests come back in, then waiting requests are admitted
-     in (priority, arrival) order while `max_num_seqs`, the token budget and free blocks (less
-     the watermark) allow. A prompt longer than the budget is split over steps (chunked prefill).
+     in the scheduling policy's order (engine/scheduling_policy.py: fcfs, priority, or shortest
+     job first with aging, which re-sorts the queues each step) while `max_num_seqs`, the token
+     budget and free blocks (less the watermark) allow. A prompt longer than the budget is split
+     over steps (chunked prefill).
 The result is one `SchedulerOutput`, the only thing the model runner sees. After the forward,
 `postprocess` advances the requests, appends sampled tokens and retires finished requests.
 
@@ -19,8 +21,20 @@ WAITING_FOR_REMOTE_KVS). The scheduler owns those states too, and the blocks the
                    order)                prompt; the node pulls into them)  computed, first token fed next)
                   remote_kv_failed / abort, from either state ─▶ FINISHED_ABORTED, blocks freed
 
-`schedule_remote_kv` starts pulls in arrival order while `max_num_seqs` (running + receiving)
-and free blocks allow, keeping the watermark back unless nothing runs or receives.
+`schedule_remote_kv` starts pulls in the policy's order (arrival order, but for sjf) while
+`max_num_seqs` (running + receiving) and free blocks allow, keeping the watermark back unless
+nothing runs or receives.
+
+Parallel sampling (n > 1): the fork point is the parent's first draw. `postprocess` (or, on a
+decode node, `remote_kv_done` with the first tokens the prefill node drew) replaces the parent
+with its n children, which share its blocks (`BlockManager.fork`); a child's first write into a
+shared block is a copy-on-write (`blocks_to_copy`). A parent counts as n sequences against
+`max_num_seqs`. `abort(parent id)` aborts every child still held.
+
+Speculative decoding (`num_lookahead_tokens` = k > 0): a decode step gets up to k more slots for
+draft tokens, counted against the token budget, when blocks allow (else it decodes plainly:
+drafts never cause a preemption). `postprocess` appends the tokens the verification emitted,
+counts the accepted drafts' KV as computed and frees the blocks past it (rejected slots).
 """
 
 from __future__ import annotations
@@ -32,6 +46,13 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduling_policy import (
+    DEFAULT_SCHEDULING_POLICY,
+    DEFAULT_SJF_AGING_S,
+    DEFAULT_SJF_LENGTH_FACTOR,
+    SchedulingPolicy,
+)
+from pdserve.engine.spec_decode.stats import SpecDecodeStats
 
 
 @dataclass
@@ -41,6 +62,10 @@ class ScheduledRequest:
     num_new_tokens: int  # request.all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
     block_ids: list[int]  # the request's block table (logical → physical), shared with the block manager
     samples: bool  # the chunk reaches the last known token: its logits give the next token
+    # Speculative decoding: slots allocated past the last token for draft tokens (0 = none), and the
+    # drafts themselves (at most that many), set by the proposer between schedule and the forward.
+    num_lookahead_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -49,7 +74,11 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # sum of num_new_tokens
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), before the forward
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), after swap-outs
+    # (src, dst) device copies, after the swaps and before the forward: copy-on-write of blocks that
+    # the choices of an n > 1 request share (read as they were at the start of the step)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    forked: dict[str, list[Request]] = field(default_factory=dict)  # set by postprocess: parent id → children
 
     @property
     def is_empty(self) -> bool:
@@ -62,8 +91,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # fcfs | priority | sjf (engine/scheduling_policy.py)
+    sjf_length_factor: float = DEFAULT_SJF_LENGTH_FACTOR  # sjf: estimate = min(prompt len x factor, max_tokens)
+    sjf_aging_s: float = DEFAULT_SJF_AGING_S  # sjf: a request that waited this long is no longer overtaken
+    num_lookahead_tokens: int = 0  # speculative decoding: draft slots per decode step (k; 0 = off)
 
     def __post_init__(self) -> None:
+        self.policy = SchedulingPolicy(self.scheduling_policy, self.sjf_length_factor, self.sjf_aging_s)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -83,19 +117,23 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.policy = config.policy
+        self.clock = time.monotonic  # the time sjf's aging reads (tests put a fake clock here)
+        self.waiting: list[Request] = []  # sorted by (priority, arrival); sjf re-sorts it each step
         self.running: list[Request] = []  # admission order
-        self.swapped: list[Request] = []  # sorted by (priority, arrival)
-        self.waiting_for_kv: list[Request] = []  # remote KV announced, no blocks yet: arrival order
+        self.swapped: list[Request] = []  # sorted by (priority, arrival); sjf re-sorts it each step
+        self.waiting_for_kv: list[Request] = []  # remote KV announced, no blocks: arrival order (sjf: re-sorted)
         self.receiving_kv: dict[str, Request] = {}  # blocks allocated, the node copies the KV in
         self.requests: dict[str, Request] = {}  # every request held, remote-KV states included
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt positions whose KV a forward computed here (totals)
         self.num_tokens_sampled = 0
+        self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified and accepted
 
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self._check_new(request)
+        self.policy.check_priority(request)
         if request.num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"request {request.request_id}: prompt of {request.num_tokens} tokens leaves no room under "
@@ -125,9 +163,11 @@ class Scheduler:
         requests that arrived later (the fault-injection hook's simulated slow network)."""
         bm = self.block_manager
         started = []
+        self.policy.sort(self.waiting_for_kv, self.clock())
         while self.waiting_for_kv:
             request = self.waiting_for_kv[0]
-            room = len(self.running) + len(self.receiving_kv) < self.config.max_num_seqs
+            num_seqs = self._num_seqs(self.running) + self._num_seqs(self.receiving_kv.values())
+            room = num_seqs + request.params.n <= self.config.max_num_seqs
             # As for waiting requests: no watermark on a pool nothing else will grow into.
             reserve = bool(self.running or self.receiving_kv)
             if not room or not bm.can_allocate(request.request_id, request.num_prompt_tokens, reserve=reserve):
@@ -151,6 +191,10 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if request.forks:  # the prefill node drew each choice's first token: fork here
+            children = self._fork(request)
+            for child, (token_id, logprobs) in zip(children, request.choice_first_tokens, strict=True):
+                self._accept(child, token_id, logprobs, sampled_here=False)
         return request
 
     def remote_kv_failed(self, request_id: str) -> Request | None:
@@ -179,11 +223,14 @@ class Scheduler:
         request.status = RequestStatus.TRANSFERRING
         return self.block_manager.block_ids(request.request_id)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str) -> list[Request]:
+        """Abort a request; given the id of an n > 1 request that forked, every choice still held.
+        Returns the requests aborted (none when nothing is held under that id)."""
         request = self.requests.get(request_id)
-        if request is not None:
-            self.finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+        family = [request] if request is not None else [r for r in self.requests.values() if r.parent_id == request_id]
+        for r in family:
+            self.finish(r, RequestStatus.FINISHED_ABORTED)
+        return family
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a request and release everything it holds (device and host blocks)."""
@@ -207,6 +254,11 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # Nothing joins waiting or swapped before they are admitted from, but a preemption (which
+        # then skips admission this step): one sort per step keeps sjf's order current.
+        now = self.clock()
+        self.policy.sort(self.waiting, now)
+        self.policy.sort(self.swapped, now)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_request_ids:
             budget = self._schedule_swapped(out, budget)
@@ -222,7 +274,13 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
-            while not bm.can_allocate(request.request_id, target):
+            lookahead = self._lookahead(request, num_new, budget)
+            if lookahead and bm.can_allocate(request.request_id, target + lookahead,
+                                             write_from=request.num_computed_tokens):
+                target += lookahead  # else no drafts this step: short of blocks, decode plainly first
+            else:
+                lookahead = 0
+            while not bm.can_allocate(request.request_id, target, write_from=request.num_computed_tokens):
                 # The victim may have been scheduled earlier in this step: un-schedule it.
                 victim = max(self.running, key=_order)
                 if self.running.index(victim) < i:
@@ -233,16 +291,27 @@ class Scheduler:
                     break
             else:
                 bm.allocate(request.request_id, target)
-                self._add_scheduled(out, request, num_new)
-                budget -= num_new
+                out.blocks_to_copy.extend(bm.copy_on_write(request.request_id, request.num_computed_tokens, target))
+                self._add_scheduled(out, request, num_new, lookahead)
+                budget -= num_new + lookahead
                 i += 1
         return budget
+
+    def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft slots for a decode step: k, less what max_tokens, max_model_len or the token
+        budget leave no room for (the verification emits up to lookahead + 1 tokens)."""
+        k = self.config.num_lookahead_tokens
+        if not k or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or request.forks:
+            return 0
+        room_out = request.params.max_tokens - request.num_output_tokens - 1
+        room_len = self.config.max_model_len - request.num_tokens - 1
+        return max(0, min(k, budget - 1, room_out, room_len))
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
         item = next(s for s in out.scheduled if s.request is request)
         out.scheduled.remove(item)
-        return item.num_new_tokens
+        return item.num_new_tokens + item.num_lookahead_tokens
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -264,6 +333,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.forks and self._num_seqs(self.running) + request.params.n > self.config.max_num_seqs:
+                break  # its n choices would overflow the batch
             computed = bm.get_computed_blocks(request.all_token_ids)
             num_computed = len(computed) * bm.block_size
             num_new = request.num_tokens - num_computed
@@ -283,7 +354,7 @@ class Scheduler:
             self._add_scheduled(out, request, num_new)
             budget -= num_new
 
-    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, num_lookahead: int = 0) -> None:
         start = request.num_computed_tokens
         out.scheduled.append(
             ScheduledRequest(
@@ -292,6 +363,7 @@ class Scheduler:
                 num_new_tokens=num_new,
                 block_ids=self.block_manager.block_ids(request.request_id),
                 samples=start + num_new == request.num_tokens,
+                num_lookahead_tokens=num_lookahead,
             )
         )
 
@@ -301,8 +373,11 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)
+        undo = self._drop_copies(out, request)
         if bm.num_host_blocks and bm.can_swap_out(request.request_id):
-            out.blocks_to_swap_out.extend(bm.swap_out(request.request_id))
+            # Swap-outs read the blocks as they were at the start of the step: a copy-on-write
+            # this step had not filled its copy yet, so the host gets the original.
+            out.blocks_to_swap_out.extend((undo.get(d, d), h) for d, h in bm.swap_out(request.request_id))
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=_order)
         else:
@@ -310,6 +385,17 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             bisect.insort(self.waiting, request, key=_order)
+
+    def _drop_copies(self, out: SchedulerOutput, request: Request) -> dict[int, int]:
+        """Cancel the copy-on-writes made for `request` earlier in this step (it is being
+        preempted: its copies are freed or swapped out); returns {dst: src} of those cancelled."""
+        if not out.blocks_to_copy:
+            return {}
+        table = set(self.block_manager.block_ids(request.request_id))
+        undo = {dst: src for src, dst in out.blocks_to_copy if dst in table}
+        if undo:
+            out.blocks_to_copy = [(src, dst) for src, dst in out.blocks_to_copy if dst not in undo]
+        return undo
 
     # ---- after the forward --------------------------------------------------------------
     def postprocess(
@@ -330,14 +416,74 @@ class Scheduler:
             )
             if not item.samples:
                 continue
+            if request.forks:
+                out.forked[request.request_id] = children = self._fork(request)
+                for child in children:
+                    if self._accept(child, *sampled[child.request_id]):
+                        finished.append(child)
+                continue
+            if item.num_lookahead_tokens:
+                if self._accept_verified(item, sampled[request.request_id]):
+                    finished.append(request)
+                continue
             token_id, logprobs = sampled[request.request_id]
+            if self._accept(request, token_id, logprobs):
+                finished.append(request)
+        return finished
+
+    def _accept_verified(self, item: ScheduledRequest, emitted) -> bool:
+        """A speculative step emitted its accepted drafts and one token of the target's: append
+        them, each with its stop check; the accepted drafts' KV counts as computed, and the slots
+        of rejected drafts roll back (blocks past the computed KV are freed). True when finished."""
+        request, bm = item.request, self.block_manager
+        emitted = emitted if isinstance(emitted, list) else [emitted]
+        self.spec_stats.observe(len(item.spec_token_ids), len(emitted) - 1)
+        status = None
+        request.num_new_output_tokens = 0
+        for token_id, logprobs in emitted:
             request.append_output(token_id, logprobs)
+            request.num_new_output_tokens += 1
             self.num_tokens_sampled += 1
             status = self.check_stop(request)
             if status is not None:
                 self.finish(request, status)
-                finished.append(request)
-        return finished
+                return True
+        request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens + len(emitted) - 1
+        bm.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        bm.trim(request.request_id, request.num_computed_tokens)
+        return False
+
+    def _accept(self, request: Request, token_id: int, logprobs: dict[int, float] | None, *,
+                sampled_here: bool = True) -> bool:
+        """Append a sampled token; True when it finished the request (blocks released)."""
+        request.append_output(token_id, logprobs)
+        request.num_new_output_tokens = 1
+        self.num_tokens_sampled += sampled_here
+        status = self.check_stop(request)
+        if status is not None:
+            self.finish(request, status)
+        return status is not None
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """Replace the running `parent` by its n children, in its place in the batch order; they
+        share its blocks (its own references are dropped). The caller gives them first tokens."""
+        bm = self.block_manager
+        children = [parent.fork(i) for i in range(parent.params.n)]
+        for child in children:
+            self._check_new(child)
+        at = self.running.index(parent)
+        self.running[at : at + 1] = children
+        del self.requests[parent.request_id]
+        for child in children:
+            self.requests[child.request_id] = child
+            bm.fork(parent.request_id, child.request_id)
+        bm.free(parent.request_id)
+        return children
+
+    @staticmethod
+    def _num_seqs(requests: Iterable[Request]) -> int:
+        """Sequences they will run as: a parent of n choices counts n."""
+        return sum(r.params.n for r in requests)
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """EOS, stop token ids, max_tokens, max_model_len. (Stop strings need text: the caller.)"""

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 # Upper bound on the bytes of gathered K per decode chunk (the same again for V).
 _DECODE_CHUNK_BYTES = 8 << 20
+# Queries up to this long that follow cached context (speculative verifications) are batched per length.
+_SHORT_QUERY_MAX = 33
 
 
 def store_kv(
@@ -90,9 +92,14 @@ def paged_attention(
     decode_ids = [s for s, q_len in enumerate(layout.q_lens) if q_len == 1]
     if decode_ids:
         _attend_decodes(q, k_cache, v_cache, seq_lens, block_tables, layout, decode_ids, scale, out)
+    short: dict[int, list[int]] = {}  # q_len -> requests: speculative verifications, batched per length
     for s, q_len in enumerate(layout.q_lens):
-        if q_len > 1:
+        if 1 < q_len <= _SHORT_QUERY_MAX and q_len < layout.seq_lens[s]:
+            short.setdefault(q_len, []).append(s)
+        elif q_len > 1:
             _attend_one_prefill(q, k_cache, v_cache, block_tables[s], layout, s, scale, out)
+    for q_len, ids in short.items():
+        _attend_short_queries(q, k_cache, v_cache, block_tables, layout, ids, q_len, scale, out)
     return out
 
 
@@ -177,6 +184,41 @@ def _attend_decodes(
             out[start:end] = result
         else:
             out.index_copy_(0, rows_t[start:end], result)
+
+
+def _attend_short_queries(
+    q: torch.Tensor,  # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks]
+    layout: _HostLayout,
+    ids: list[int],  # requests whose queries are all q_len long and follow cached context
+    q_len: int,
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim]
+) -> None:
+    """Short queries over cached context (a speculative verification: the last token and k drafts)
+    batched as decodes are, with a per-row causal mask: query i of request s sees keys
+    0..seq_len - q_len + i. One request at a time would cost one SDPA call per request and layer."""
+    block_size, num_heads, head_dim = k_cache.shape[1], q.shape[1], q.shape[2]
+    seq = [layout.seq_lens[s] for s in ids]
+    ids_t = torch.tensor(ids, device=q.device)
+    tables = block_tables.index_select(0, ids_t)  # [n, max_blocks]
+    offsets = torch.arange(q_len, device=q.device)  # [q_len]
+    rows = torch.tensor([layout.q_starts[s] for s in ids], device=q.device)[:, None] + offsets  # [n, q_len]
+    query_pos = torch.tensor(seq, device=q.device)[:, None] - q_len + offsets  # [n, q_len]
+    chunk = max(1, _decode_chunk_size(k_cache, max(seq)) // q_len)
+    for start in range(0, len(ids), chunk):
+        end = min(start + chunk, len(ids))
+        num_blocks = -(-max(seq[start:end]) // block_size)
+        k = _gather_kv(k_cache, tables[start:end, :num_blocks])  # [n, kv_heads, L, d]
+        v = _gather_kv(v_cache, tables[start:end, :num_blocks])
+        key_pos = torch.arange(k.shape[2], device=q.device)  # [L]
+        mask = key_pos[None, None, :] <= query_pos[start:end, :, None]  # [n, q_len, L]
+        flat_rows = rows[start:end].flatten()  # [n * q_len]
+        q_chunk = q.index_select(0, flat_rows).view(end - start, q_len, num_heads, head_dim)
+        result = _attend_masked(q_chunk, k, v, mask, scale)  # [n, q_len, num_heads, d]
+        out.index_copy_(0, flat_rows, result.reshape(-1, num_heads, head_dim))
 
 
 def _decode_chunk_size(k_cache: torch.Tensor, longest: int) -> int:

@@ -90,7 +90,9 @@ def node_sockets(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     """(address, what, connect) of the ZMQ sockets a node opens at start: the link to the router,
     and a decode node's KV socket (bound on `tcp://{--host}:{--kv-port}`). A prefill node's KV
     connections go where the router says at run time; KVSender checks each one."""
-    sockets = [(args.router, "router's control socket", True)]
+    routers = [args.router] if isinstance(args.router, str) else args.router  # --router repeats, takes comma lists
+    sockets = [(addr.strip(), "router's control socket", True) for value in routers for addr in value.split(",")
+               if addr.strip()]
     if getattr(args, "role", None) == "decode":
         sockets.append((f"tcp://{_bracketed(args.host)}:{args.kv_port}", "KV socket", False))
     return sockets

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
+import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: TokenBatch as columns
 MAX_MESSAGE_BYTES = 16 << 20  # a control message; KV payload frames are bounded separately
 MAX_TOKENS_PER_MESSAGE = 1 << 20
 
@@ -39,6 +40,10 @@ class Message:
 
     def encode(self) -> bytes:
         return encode(self)
+
+    def wire_error(self) -> str | None:
+        """What is wrong with a decoded message beyond its fields' types (None: nothing)."""
+        return None
 
 
 # ---- node registry ----------------------------------------------------------------------
@@ -114,23 +119,56 @@ class FirstToken(Message):
     prefill_s: float = 0.0  # admission to first token
 
 
-@dataclass
-class Token(Message):
-    TYPE: ClassVar[str] = "token"
+@dataclass(slots=True)
+class Token:
+    """One output token of a request: not a message of its own; tokens travel in a TokenBatch."""
+
     request_id: str
     index: int  # position in the output: the first token (from prefill) is index 0
     token_id: int
-    logprobs: dict | None = None
+    logprobs: dict | None = None  # {token_id: logprob}
     finish_reason: str | None = None
 
 
 @dataclass
 class TokenBatch(Message):
-    """All tokens one decode step produced, in one message."""
+    """All tokens one step of a node produced, in one message, as columns: token i is
+    (request_ids[i], indexes[i], token_ids[i], logprobs[i], finish_reasons[i]). Columns, not one
+    map per token, because the router decodes every token a fleet streams: a column of ints is
+    one msgpack array, validated in one pass. `logprobs` is empty when no token carries any;
+    build one with `from_tokens`."""
 
     TYPE: ClassVar[str] = "token_batch"
     node_id: str
-    tokens: list[Token]
+    request_ids: list[str]
+    indexes: list[int]
+    token_ids: list[int]
+    finish_reasons: list[str | None]
+    logprobs: list[dict | None] = field(default_factory=list)
+
+    @classmethod
+    def from_tokens(cls, node_id: str, tokens: list[Token]) -> TokenBatch:
+        """The one way nodes build a batch (a node with several routers builds one per router)."""
+        logprobs = [t.logprobs for t in tokens]
+        return cls(node_id, [t.request_id for t in tokens], [t.index for t in tokens], [t.token_id for t in tokens],
+                   [t.finish_reason for t in tokens], logprobs if any(lp is not None for lp in logprobs) else [])
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def tokens(self) -> list[Token]:
+        """The batch as one `Token` per row (tests and slow paths; the router reads the columns)."""
+        logprobs = self.logprobs or [None] * len(self.request_ids)
+        return [Token(*row) for row in zip(self.request_ids, self.indexes, self.token_ids, logprobs,
+                                           self.finish_reasons)]
+
+    def wire_error(self) -> str | None:
+        n = len(self.request_ids)
+        if not (len(self.indexes) == len(self.token_ids) == len(self.finish_reasons) == n):
+            return "columns of different lengths"
+        if self.logprobs and len(self.logprobs) != n:
+            return "logprobs column of a different length"
+        return None
 
 
 @dataclass
@@ -204,6 +242,11 @@ class KVReady(Message):
     lease_s: float  # the blocks stay pinned this long unless renewed
     priority: int = 0
     num_prior_output_tokens: int = 0  # as in PrefillRequest
+    router: str = ""  # the router the request came from, as the nodes address it: its tokens go back there
+    # n > 1 (parallel sampling): each choice's first token, choice i at i (first_token is choice 0's);
+    # the decode node forks the request into choices `{request_id}#{i}` once the KV is in
+    choice_first_tokens: list[int] = field(default_factory=list)
+    choice_first_logprobs: list[dict | None] = field(default_factory=list)
 
 
 @dataclass
@@ -240,7 +283,7 @@ class KVDone(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, Heartbeat, Deregister, Reregister, PrefillRequest, FirstToken, Token, TokenBatch, Abort, Error,
+    for cls in (Register, Heartbeat, Deregister, Reregister, PrefillRequest, FirstToken, TokenBatch, Abort, Error,
                 KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
 }
 
@@ -252,20 +295,40 @@ def encode(msg: Message) -> bytes:
 
 def _to_wire(msg: Message) -> dict:
     out = {"type": msg.TYPE, "version": PROTOCOL_VERSION}
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, Message):
-            value = _to_wire(value)
-        elif isinstance(value, list) and value and isinstance(value[0], Message):
-            value = [_to_wire(v) for v in value]
-        out[f.name] = value
+    for name in _field_names(type(msg)):
+        value = getattr(msg, name)
+        out[name] = _to_wire(value) if isinstance(value, Message) else value
     return out
 
 
+@functools.cache
+def _field_names(cls: type[Message]) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+# ---- decoding -----------------------------------------------------------------------------
+# Two validators of one schema (the dataclasses above). The fast one is msgspec: a struct per
+# message class, derived from the dataclass, decoded and type-checked in C, with no Python object
+# per field. Anything it refuses goes through the slow one (`_from_wire`, plain Python over
+# msgpack's output), which has the final word and says what is wrong in our words: a message is
+# accepted only if both accept it, and every refusal reads the same whichever path found it.
 def decode(data: bytes | memoryview) -> Message:
     """Bytes → a validated message; raises MessageError on anything malformed."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    if len(data) > MAX_TOKENS_PER_MESSAGE:
+        # msgspec has no limit on a list's length; a message this small cannot hold a longer one
+        # (an element takes at least a byte), a bigger one goes where msgpack enforces it.
+        return _decode_slow(data)
+    try:
+        wire = _fast_decoder().decode(data)
+    except Exception:  # msgspec.DecodeError / ValidationError: the slow path says what is wrong
+        return _decode_slow(data)
+    msg = _from_struct(wire)
+    return msg if msg is not None else _decode_slow(data)
+
+
+def _decode_slow(data: bytes | memoryview) -> Message:
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=MAX_MESSAGE_BYTES,
                               max_str_len=MAX_MESSAGE_BYTES, max_array_len=MAX_TOKENS_PER_MESSAGE,
@@ -273,6 +336,59 @@ def decode(data: bytes | memoryview) -> Message:
     except Exception as e:  # msgpack raises several unrelated types on garbage
         raise MessageError(f"not msgpack: {e}") from None
     return _from_wire(obj)
+
+
+def _from_struct(wire: msgspec.Struct) -> Message | None:
+    """The message a fast-decoded struct stands for; None when the slow path must judge it (a
+    protocol version other than ours, here or in a nested message)."""
+    if wire.version != PROTOCOL_VERSION:
+        return None
+    cls, nested = _STRUCT_CLASSES[type(wire)]
+    values = msgspec.structs.astuple(wire)[:-1]  # the last field is `version`
+    if nested:
+        values = list(values)
+        for i in nested:
+            values[i] = _from_struct(values[i])
+            if values[i] is None:
+                return None
+    msg = cls(*values)
+    error = msg.wire_error()
+    if error is not None:
+        raise MessageError(f"{cls.TYPE}: {error}")
+    return msg
+
+
+_STRUCT_CLASSES: dict[type, tuple[type[Message], tuple[int, ...]]] = {}  # struct → (class, nested field indexes)
+
+
+def _struct_for(cls: type[Message]) -> type[msgspec.Struct]:
+    """The msgspec struct mirroring `cls`: the same fields and types, `type` as its tag, `version`
+    last, unknown fields refused."""
+    for struct, (known, _) in _STRUCT_CLASSES.items():
+        if known is cls:
+            return struct
+    fields, nested = [], []
+    for i, (name, hint, required) in enumerate(_schema(cls)[0]):
+        if isinstance(hint, type) and issubclass(hint, Message):
+            hint, _ = _struct_for(hint), nested.append(i)
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        if required:
+            fields.append((name, hint))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((name, hint, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((name, hint, f.default))
+    fields.append(("version", Any, None))
+    struct = msgspec.defstruct(f"Wire{cls.__name__}", fields, tag_field="type", tag=cls.TYPE,
+                               forbid_unknown_fields=True)
+    _STRUCT_CLASSES[struct] = (cls, tuple(nested))
+    return struct
+
+
+@functools.cache
+def _fast_decoder() -> msgspec.msgpack.Decoder:
+    structs = tuple(_struct_for(cls) for cls in MESSAGE_TYPES.values())
+    return msgspec.msgpack.Decoder(typing.Union[structs])  # noqa: UP007 (a tuple of types, not syntax)
 
 
 def _from_wire(obj: Any) -> Message:
@@ -293,7 +409,11 @@ def _from_wire(obj: Any) -> Message:
             raise MessageError(f"{cls.TYPE}: missing field {name!r}")
     if not known.issuperset(obj):
         raise MessageError(f"{cls.TYPE}: unknown field(s) {sorted(set(obj) - known)}")
-    return cls(**kwargs)
+    msg = cls(**kwargs)
+    error = msg.wire_error()
+    if error is not None:
+        raise MessageError(f"{cls.TYPE}: {error}")
+    return msg
 
 
 @functools.cache
@@ -316,7 +436,10 @@ def _check(type_name: str, name: str, value: Any, hint: Any) -> Any:
         (inner,) = [a for a in args if a is not type(None)]
         return _check(type_name, name, value, inner)
     if isinstance(hint, type) and issubclass(hint, Message):
-        return _from_wire(value)
+        msg = _from_wire(value)
+        if not isinstance(msg, hint):
+            raise MessageError(f"{type_name}.{name}: expected {hint.TYPE}, got {msg.TYPE}")
+        return msg
     if origin is list:
         if not isinstance(value, list):
             raise MessageError(f"{type_name}.{name}: expected a list, got {type(value).__name__}")

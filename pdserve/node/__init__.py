@@ -1,7 +1,11 @@
 """What every serving node runs, whatever its role (prefill/ and decode/ keep only what differs):
 
     runtime.py        run_node: start-up wiring, serve_node (loop, drain), stop handlers
-    router_link.py    RouterLink: register, heartbeats, Reregister; the addresses a node advertises
+    router_link.py    RouterLink: one router: register, heartbeats, Reregister, connection loss;
+                      the addresses a node advertises
+    router_links.py   RouterLinks: every router; each request's origin, per-router tokens and
+                      heartbeat lists, the requests of a router that died aborted
+    router_discovery.py  --router values and DNS names → router addresses, re-resolved
     status_server.py  StatusServer: GET /status, /metrics, /health
     metrics.py        NodeSnapshot and the Prometheus metrics read from it
     stats.py          the periodic stats line

@@ -13,7 +13,17 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     """Flags every serving node takes, plus the engine flags (named as vLLM names them)."""
     from pdserve.cli.main import add_engine_args  # here, not at the top: cli.main imports this module
 
-    parser.add_argument("--router", required=True, help="the router's control address, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--router", required=True, action="append", metavar="ADDR",
+                        help="a router's control address, e.g. tcp://127.0.0.1:5555; repeat it or give a comma list "
+                             "for several routers (the node registers with each); a host name stands for every "
+                             "address it resolves to (a headless Service on Kubernetes), re-resolved every "
+                             "--router-refresh-s")
+    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="the routers run with --api-server-count N: each tcp --router address stands for N "
+                             "consecutive control ports from its own (default: %(default)s)")
+    parser.add_argument("--router-refresh-s", type=float, default=10.0,
+                        help="seconds between DNS look-ups of the --router host names, finding routers that "
+                             "come later; 0 = resolve once (default: %(default)s)")
     parser.add_argument("--node-id", default=None, help="this node's name at the router (default: ROLE-<random>)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in Register and the KV handshake (default: derived from --model)")

@@ -10,11 +10,18 @@ from pdserve.kvtransfer.messages import KVLayout, Register, Token
 from pdserve.node.router_link import host_id
 
 
-def token_event(request) -> Token:
-    """The request's newest output token, with its index in the output."""
-    logprobs = request.output_logprobs[-1] if request.output_logprobs else None
-    return Token(request_id=request.request_id, index=request.num_output_tokens - 1,
-                 token_id=request.output_token_ids[-1], logprobs=logprobs, finish_reason=request.finish_reason)
+def token_events(request) -> list[Token]:
+    """Every output token the last engine step appended (several with speculative decoding), in
+    order; only the last carries the finish reason."""
+    num_new = max(1, request.num_new_output_tokens)
+    first = request.num_output_tokens - num_new
+    events = []
+    for index in range(first, request.num_output_tokens):
+        logprobs = request.output_logprobs[index] if request.output_logprobs else None
+        last = index == request.num_output_tokens - 1
+        events.append(Token(request_id=request.request_id, index=index, token_id=request.output_token_ids[index],
+                            logprobs=logprobs, finish_reason=request.finish_reason if last else None))
+    return events
 
 
 def kv_layout(engine, served_model_name: str, **extra) -> KVLayout:

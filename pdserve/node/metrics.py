@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from pdserve.engine.spec_decode.stats import SpecDecodeStats
+
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # the classic text format every Prometheus version reads
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BANDWIDTH_BUCKETS = tuple(float(1 << k) * 1e6 for k in range(17))  # 1 MB/s .. 65 GB/s, doubling
@@ -44,6 +46,7 @@ class NodeSnapshot:
     num_generation_tokens: int = 0  # tokens sampled here
     num_outstanding_prompt_tokens: int = 0  # prefill: prompt tokens queued or in progress
     auth_refusals: dict[str, int] | None = None  # decode: peers refused on the CURVE KV socket, by reason
+    spec: SpecDecodeStats | None = None  # speculative decoding's counters (None: not speculating)
 
 
 def engine_snapshot(engine, **transfer) -> NodeSnapshot:
@@ -55,6 +58,7 @@ def engine_snapshot(engine, **transfer) -> NodeSnapshot:
         num_blocks_total=bm.num_blocks, num_prefix_queries=bm.num_prefix_queries,
         num_prefix_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions,
         num_prompt_tokens=sched.num_prompt_tokens_computed, num_generation_tokens=sched.num_tokens_sampled,
+        spec=sched.spec_stats.copy() if getattr(engine, "proposer", None) is not None else None,
         **transfer)
 
 
@@ -128,6 +132,8 @@ class NodeStateCollector:
         transfers.add_metric([*self._labels, "shm"], snap.num_shm_transfers)
         transfers.add_metric([*self._labels, "zmq"], snap.num_zmq_transfers)
         yield transfers
+        if snap.spec is not None:
+            yield from spec_decode_families(snap.spec, self._labels)
         if snap.auth_refusals is not None:  # a node with a bound socket (decode): its KV socket
             refusals = CounterMetricFamily("pdserve_auth_refusals", "Peers refused on the node's CURVE KV "
                                            "socket (handshake attempts), by reason: unknown_key, no_curve, "
@@ -135,3 +141,27 @@ class NodeStateCollector:
             for reason, count in snap.auth_refusals.items():
                 refusals.add_metric([*self._labels, reason], count)
             yield refusals
+
+
+def spec_decode_families(spec: SpecDecodeStats, labels: list[str]):
+    """vLLM's speculative-decoding counters; the acceptance rate per position is
+    accepted_tokens_per_pos / draft_tokens_per_pos of the same position (a PromQL ratio)."""
+    names = ["node_id", "role"]
+    for name, doc, value in (
+        ("pdserve_spec_decode_num_drafts", "Verification steps of one request that had draft tokens", spec.num_drafts),
+        ("pdserve_spec_decode_num_draft_tokens", "Draft tokens the target verified", spec.num_draft_tokens),
+        ("pdserve_spec_decode_num_accepted_tokens", "Draft tokens the target accepted", spec.num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(name, doc, labels=names)
+        family.add_metric(labels, value)
+        yield family
+    for name, doc, values in (
+        ("pdserve_spec_decode_num_draft_tokens_per_pos", "Draft tokens verified at each position (0 = first "
+         "after the last token)", spec.num_draft_tokens_per_pos),
+        ("pdserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position",
+         spec.num_accepted_tokens_per_pos),
+    ):
+        family = CounterMetricFamily(name, doc, labels=[*names, "position"])
+        for position, value in enumerate(values):
+            family.add_metric([*labels, str(position)], value)
+        yield family

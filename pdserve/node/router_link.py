@@ -1,5 +1,6 @@
-"""A node's link to the router: one DEALER socket (identity = node id), registration,
-heartbeats, and a non-blocking receive for the node's loop. Also the addresses a node
+"""A node's link to one router: one DEALER socket (identity = node id), registration,
+heartbeats, a non-blocking receive for the node's loop, and whether the connection was lost.
+A node with several routers holds one per router (router_links.py). Also the addresses a node
 advertises for its endpoints."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdserve.kvtransfer.messages import (
     MAX_MESSAGE_BYTES,
@@ -35,7 +37,11 @@ class RouterLink:
 
     Sends never block: while the router is down, ZMQ queues up to SEND_HWM messages for it and
     drops the rest (tokens of requests a restarted router will not know anyway). A `Reregister`
-    from the router is answered here, in `poll`: the node registers again."""
+    from the router is answered here, in `poll`: the node registers again.
+
+    `connection_lost` tells the loop that an established connection to the router closed (its
+    process exited or was killed: the kernel closed its socket), from the socket's monitor:
+    whatever that router sent the node, nobody waits for any more."""
 
     SEND_HWM = 100_000
 
@@ -49,6 +55,8 @@ class RouterLink:
         self.num_dropped = 0  # messages dropped because the router was unreachable
         self.num_reregistered = 0
         self.sock = self._socket(register.node_id)
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.connected: bool | None = None  # as the monitor last said (None: no event yet)
         self._last_refresh = 0.0
         self._latest: Heartbeat | None = None
         self._stop = threading.Event()
@@ -89,7 +97,33 @@ class RouterLink:
         now = time.monotonic()
         if now - self._last_refresh >= self.heartbeat_s / 2:
             self._last_refresh = now
-            self._latest = make()
+            self.set_heartbeat(make())
+
+    def set_heartbeat(self, heartbeat: Heartbeat) -> None:
+        """The heartbeat the thread sends from now on."""
+        self._latest = heartbeat
+
+    def origin(self, request_id: str) -> str:
+        """The router a request came from: with one router, this one (router_links.py keeps a table)."""
+        return self.router_addr
+
+    def adopt(self, request_id: str, router_addr: str) -> None:
+        """A request that came through a peer (a decode node's KVReady): with one router, nothing to note."""
+
+    def pollables(self) -> list[zmq.Socket]:
+        """What a poller waits on for this link: the socket, and its monitor."""
+        return [self.sock] + ([self._monitor] if self._monitor is not None else [])
+
+    def connection_lost(self) -> bool:
+        """True when the connection to the router closed since the last call (ZMQ reconnects on
+        its own; `connected` follows)."""
+        lost = False
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_DISCONNECTED):
+                self.connected = event == zmq.EVENT_CONNECTED
+                lost |= not self.connected
+        return lost
 
     def _beat(self) -> None:
         # The router keys heartbeats by node_id, so this socket needs an identity of its own.
@@ -130,6 +164,10 @@ class RouterLink:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.heartbeat_s)
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.sock.close(linger=0)
 
 

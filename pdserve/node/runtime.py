@@ -3,9 +3,9 @@
     parse flags, logging ─▶ fault hook, exposure check (exit 2: an exposed socket without keys),
       stop handlers, CURVE keys, node id, served model name
       ─▶ status server up (/health 503: a health check sees "loading", not a refused port)
-      ─▶ the role's `build(setup)`: engine, KV endpoint, RouterLink, node   (prefill/, decode/)
+      ─▶ the role's `build(setup)`: engine, KV endpoint, RouterLinks, node   (prefill/, decode/)
       ─▶ warm-up ─▶ status server ready (/health 200)
-      ─▶ `serve_node`: register, loop, drain on SIGTERM/SIGINT, deregister
+      ─▶ `serve_node`: register (with every router), loop, drain on SIGTERM/SIGINT, deregister
       ─▶ everything opened is closed, in reverse order, however it ended
 
 What a role builds is closed through `setup.close_later`, so the runtime owns every socket, pool
@@ -30,7 +30,9 @@ from pdserve.kvtransfer.exposure import InsecureExposureError
 from pdserve.node.args import check_exposure, load_curve_keys
 from pdserve.node.faults import FaultInjection
 from pdserve.node.messages import register_message
+from pdserve.node.router_discovery import RouterDiscovery, parse_router_specs
 from pdserve.node.router_link import RouterLink, advertise_host
+from pdserve.node.router_links import RouterLinks
 from pdserve.node.stats import StatsLogger
 from pdserve.node.status_server import StatusServer
 
@@ -42,7 +44,7 @@ class Node(Protocol):
     """What the runtime needs from a prefill or decode node."""
 
     engine: object  # LLMEngine: warmed up before the node is served
-    link: RouterLink
+    link: RouterLink | RouterLinks
     draining: bool  # set by serve_node: heartbeats say "not ready"
     metrics: object  # NodeMetrics: `render()` for GET /metrics
 
@@ -71,11 +73,14 @@ class NodeSetup:
         self.stack.callback(closeable.close)
         return closeable
 
-    def router_link(self, engine, *, kv_addr: str = "") -> RouterLink:
-        """The link to the router, its Register describing `engine` and where to reach the node."""
+    def router_link(self, engine, *, kv_addr: str = "") -> RouterLinks:
+        """The links to the routers (--router, resolved), their Register describing `engine` and
+        where to reach the node."""
         register = register_message(self.node_id, self.role, engine, self.served_model_name, kv_addr=kv_addr,
                                     metrics_url=self.status_url)
-        return self.close_later(RouterLink(self.args.router, register, curve=self.curve))
+        specs = parse_router_specs(self.args.router, self.args.api_server_count)
+        discovery = self.close_later(RouterDiscovery(specs, refresh_s=self.args.router_refresh_s))
+        return self.close_later(RouterLinks(discovery, register, curve=self.curve))
 
 
 def run_node(parser: argparse.ArgumentParser, build: Callable[[NodeSetup], Node],
@@ -86,6 +91,7 @@ def run_node(parser: argparse.ArgumentParser, build: Callable[[NodeSetup], Node]
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         faults = FaultInjection.from_args(args)
+        parse_router_specs(args.router, args.api_server_count)
     except ValueError as e:
         parser.error(str(e))
     try:  # before the keys and the model load, so the refusal is immediate
@@ -107,13 +113,13 @@ def run_node(parser: argparse.ArgumentParser, build: Callable[[NodeSetup], Node]
         status.set_ready(node.status, node.metrics.render)
         kv_addr = node.link.register_msg.kv_addr
         logger.info("%s ready (%sstatus %s), registering with %s", node_id, f"kv {kv_addr}, " if kv_addr else "",
-                    status.url, args.router)
+                    status.url, node.link.router_addr)
         stats = StatsLogger(node_id, args.role, node.metrics_snapshot)
         serve_node(node, node.link, stop_flag=stop, drain_timeout_s=args.drain_timeout, stats=stats)
     return 0
 
 
-def serve_node(node: Node, link: RouterLink, *, stop_flag: list[bool], drain_timeout_s: float = 20.0,
+def serve_node(node: Node, link: RouterLink | RouterLinks, *, stop_flag: list[bool], drain_timeout_s: float = 20.0,
                stats: StatsLogger | None = None) -> None:
     """A node's life: register, loop until asked to stop, then drain: heartbeats say "not ready"
     so the router sends nothing new, the node finishes what it holds (for at most

@@ -42,6 +42,10 @@ def stats_line(node_id: str, role: str, first: NodeSnapshot, last: NodeSnapshot,
             f"generation {(last.num_generation_tokens - first.num_generation_tokens) / seconds:.1f} tok/s, "
             f"running {last.num_running} reqs, waiting {last.num_waiting} reqs, KV cache {100 * usage:.1f}%, "
             f"prefix cache hit rate {100 * hits / queries if queries else 0.0:.1f}%")
+    if last.spec is not None and first.spec is not None:  # speculative decoding: acceptance over the interval
+        drafted = last.spec.num_draft_tokens - first.spec.num_draft_tokens
+        accepted = last.spec.num_accepted_tokens - first.spec.num_accepted_tokens
+        line += f", draft acceptance {100 * accepted / drafted if drafted else 0.0:.1f}% of {drafted}"
     direction = KV_DIRECTION.get(role)
     if direction is not None:
         moved = getattr(last, f"num_bytes_{direction}") - getattr(first, f"num_bytes_{direction}")

@@ -50,6 +50,8 @@ def build_node(setup):
                 return torch.zeros(shape, dtype=dtype, device=device)
             return shm_pool.tensor
 
+    if args.role == "prefill":  # it samples first tokens and hands requests off: nothing to speculate
+        args.speculative_config = None
     engine = build_engine(args, kv_allocator=allocator)
     link = setup.router_link(engine)
     make_sender = None

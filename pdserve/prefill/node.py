@@ -12,6 +12,11 @@ A request's states here:
 
 Ownership: the scheduler owns a request's blocks until `detach`; from then on the KVSender's
 lease table owns them and calls `_release` once.
+
+n > 1 (parallel sampling): the prompt is prefilled once and its step draws every choice's first
+token; the engine forks the request into choices `{id}#{i}`, each reported in its own FirstToken.
+Handed off, the choices are detached and their shared blocks go back under the request id
+(`BlockManager.fork`): one KVReady carrying every choice's first token, one transfer.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from pdserve.kvtransfer.messages import (
     TokenBatch,
 )
 from pdserve.node.faults import FaultInjection
-from pdserve.node.messages import token_event
+from pdserve.node.messages import token_events
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.router_link import RouterLink
 
@@ -111,7 +116,8 @@ class PrefillNode:
         request.timings.update(received=time.time(), router_arrival=msg.arrival_time)
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        for request in self.engine.abort(request_id):  # an n > 1 request: each of its choices
+            self.colocated.discard(request.request_id)
         self.handoffs.pop(request_id, None)
         self.colocated.discard(request_id)
         if self.sender is not None:
@@ -123,31 +129,74 @@ class PrefillNode:
             self.faults.delay_step()
         stepped = self.engine.step_requests()
         tokens: list[Token] = []
+        forked: dict[str, list[Request]] = {}
         for request in stepped:
             rid = request.request_id
             if rid in self.colocated:
-                tokens.append(token_event(request))
+                tokens.extend(token_events(request))  # colocated decode: several a step when speculating
                 if request.is_finished:
                     self.colocated.discard(rid)
                 continue
+            if request.parent_id is not None:  # the choices of an n > 1 request, just forked
+                forked.setdefault(request.parent_id, []).append(request)
+                continue
             self._first_token(request)
+        for parent_id, choices in forked.items():
+            self._first_tokens_of_choices(parent_id, choices)
         if tokens:
-            self.link.send(TokenBatch(node_id=self.node_id, tokens=tokens))
+            self.link.send(TokenBatch.from_tokens(self.node_id, tokens))
 
-    def _first_token(self, request: Request) -> None:
-        rid = request.request_id
-        msg = self.handoffs.pop(rid)
+    def _send_first_token(self, request: Request) -> dict | None:
+        """FirstToken to the router; returns the token's logprobs."""
         now = time.time()
         t = request.timings
         t["first_token"] = now
         logprobs = request.output_logprobs[-1] if request.output_logprobs else None
         self.link.send(FirstToken(
-            request_id=rid, token_id=request.output_token_ids[-1], logprobs=logprobs,
+            request_id=request.request_id, token_id=request.output_token_ids[-1], logprobs=logprobs,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             queued_s=t.get("scheduled", now) - t.get("received", now), prefill_s=now - t.get("scheduled", now),
         ))
-        self.timings.append({"request_id": rid, **t})
+        self.timings.append({"request_id": request.request_id, **t})
+        return logprobs
+
+    def _first_tokens_of_choices(self, parent_id: str, choices: list[Request]) -> None:
+        """An n > 1 request forked: each choice's first token goes to the router; the KV, once."""
+        msg = self.handoffs.pop(parent_id)
+        origin = self.link.origin(parent_id)
+        choices = sorted(choices, key=lambda c: c.choice_index)
+        firsts = []
+        for choice in choices:
+            self.link.adopt(choice.request_id, origin)
+            firsts.append((choice.output_token_ids[-1], self._send_first_token(choice)))
+        live = [c for c in choices if not c.is_finished]
+        if not live:
+            return
+        if not msg.decode_node_id:  # colocated: each choice decodes here
+            self.colocated.update(c.request_id for c in live)
+            return
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        for choice in live:
+            sched.detach(choice)
+        block_ids = bm.fork(live[0].request_id, parent_id)  # the shared blocks, under the request id
+        for choice in live:
+            bm.free(choice.request_id)
+        first = live[0]
+        ready = KVReady(
+            request_id=parent_id, prompt_token_ids=first.prompt_token_ids, first_token=firsts[0][0],
+            first_logprobs=firsts[0][1], sampling=msg.sampling, num_tokens=first.num_prompt_tokens,
+            block_ids=list(block_ids), block_size=self.engine.config.block_size, lease_s=self.sender.lease_s,
+            priority=first.priority, num_prior_output_tokens=first.num_prior_output_tokens, router=origin,
+            choice_first_tokens=[tok for tok, _ in firsts], choice_first_logprobs=[lp for _, lp in firsts],
+        )
+        self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
+
+    def _first_token(self, request: Request) -> None:
+        rid = request.request_id
+        msg = self.handoffs.pop(rid)
+        t = request.timings
+        logprobs = self._send_first_token(request)
         if request.is_finished:
             return
         if not msg.decode_node_id:  # colocated: decode here
@@ -159,6 +208,7 @@ class PrefillNode:
             first_logprobs=logprobs, sampling=request.params.to_dict(), num_tokens=request.num_prompt_tokens,
             block_ids=list(block_ids), block_size=self.engine.config.block_size, lease_s=self.sender.lease_s,
             priority=request.priority, num_prior_output_tokens=request.num_prior_output_tokens,
+            router=self.link.origin(rid),
         )
         self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
         t["kv_ready_sent"] = time.time()

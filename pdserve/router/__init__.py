@@ -16,6 +16,7 @@
     app.py               aiohttp routes (create_app)
     access_log.py        the HTTP access log, with /health and /metrics polls at DEBUG
     cli.py               main(argv): `pdserve router` / `python -m pdserve.router`
+    api_servers.py       --api-server-count N: N router processes on one port, supervised
 
 `pdserve serve` (router + nodes as supervised local processes) is pdserve/cli/serve.py.
 """

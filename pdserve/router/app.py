@@ -17,7 +17,9 @@ MAX_BODY_BYTES).
 A generation request is validated (4xx before any node sees it), submitted, then its deltas are
 written as they come. A streamed response is only started once the first delta is in, so an
 error before the first token still gets a real HTTP status; after that errors are an SSE
-`data: {"error": ...}` event. Whatever way the handler ends (finished, client gone, cancelled),
+`data: {"error": ...}` event. A handler sleeps until the router pushes deltas to its request
+(`wait_deltas`), and writes all of them at once; a non-streamed one is woken at the end only.
+When the router itself lags, new requests get a 429 (router/saturation.py). Whatever way the handler ends (finished, client gone, cancelled),
 `router.release` runs, and it sends Abort to the nodes if the request had not ended.
 """
 
@@ -39,7 +41,7 @@ from pdserve.router.openai_errors import ProtocolError, error_body
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
 from pdserve.router.openapi import openapi_spec
 from pdserve.router.registry import node_summary
-from pdserve.router.request_state import Delta, RouterError, RouterRequest
+from pdserve.router.request_state import RouterError, RouterRequest
 from pdserve.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         if parsed.stream:
             return await _stream(request, req, fmt)
         return await _collect(request, req, fmt)
+    except ConnectionResetError:  # the client went away (a write failed, or _ClientWatch saw it)
+        raise asyncio.CancelledError from None  # as aiohttp's handler cancellation would: no 500, no log
     finally:  # on finish a no-op; on disconnect or cancellation it aborts the request on the nodes
         await router.release(req)
 
@@ -194,15 +198,24 @@ def _finite_float(text: str) -> float:
     return value
 
 
-async def _next_delta(request: web.Request, req: RouterRequest) -> Delta:
-    """The request's next delta; raises ConnectionResetError once the client is gone (checked
-    while waiting, so a stalled request is aborted without waiting for its next token)."""
-    while True:
-        try:
-            return await asyncio.wait_for(req.deltas.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if request.transport is None or request.transport.is_closing():
-                raise ConnectionResetError("client disconnected") from None
+class _ClientWatch:
+    """While a handler waits for a request's deltas, checks every DISCONNECT_POLL_S that its client
+    is still there, and interrupts the wait once it is gone (so a stalled request is aborted without
+    waiting for its next token). A timer, not a timeout per wait: a wait per step per stream is
+    the hot path."""
+
+    def __init__(self, request: web.Request, req: RouterRequest) -> None:
+        self._request, self._req = request, req
+        self._timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._check)
+
+    def _check(self) -> None:
+        transport = self._request.transport
+        if transport is None or transport.is_closing():
+            self._req.interrupt(ConnectionResetError("client disconnected"))
+        self._timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._check)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 def _error_response(error: RouterError) -> web.Response:
@@ -214,43 +227,67 @@ def _usage(req: RouterRequest) -> dict:
 
 
 async def _collect(request: web.Request, req: RouterRequest, fmt) -> web.Response:
+    req.wake_each_delta = False  # the handler has nothing to do before the end
     texts, logprobs = [], []
-    while True:
-        delta = await _next_delta(request, req)
-        if delta.error is not None:
-            return _error_response(delta.error)
-        texts.append(delta.text)
-        logprobs.extend(delta.logprobs)
-        if delta.finish_reason is not None:
-            body = fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req))
-            if fmt.return_token_ids:
-                body["choices"][0]["token_ids"] = list(req.output_token_ids)
-            return web.json_response(body)
+    watch = _ClientWatch(request, req)
+    try:
+        while True:
+            for delta in await req.wait_deltas():
+                if delta.error is not None:
+                    return _error_response(delta.error)
+                texts.append(delta.text)
+                logprobs.extend(delta.logprobs)
+                if delta.finish_reason is not None:
+                    body = fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req))
+                    if fmt.return_token_ids:
+                        body["choices"][0]["token_ids"] = list(req.output_token_ids)
+                    return web.json_response(body)
+    finally:
+        watch.cancel()
 
 
 async def _stream(request: web.Request, req: RouterRequest, fmt) -> web.StreamResponse:
-    delta = await _next_delta(request, req)
-    if delta.error is not None:  # nothing sent yet: a real status
-        return _error_response(delta.error)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    first = True
-    while True:
-        if delta.error is not None:
-            await _send_event(resp, error_body(delta.error.message, delta.error.status, type=delta.error.type))
-            break
-        for chunk in fmt.chunks(delta, first):
-            await _send_event(resp, chunk)
-        first = False
-        if delta.finish_reason is not None:
-            if fmt.include_usage:
-                await _send_event(resp, fmt.usage_chunk(_usage(req)))
-            break
-        delta = await _next_delta(request, req)
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
+    """Whatever deltas came since the last write go out in one write: one per stream per step
+    while the router keeps up, fewer and bigger when it falls behind."""
+    watch = _ClientWatch(request, req)
+    try:
+        deltas = await req.wait_deltas()
+        if deltas[0].error is not None:  # nothing sent yet: a real status
+            return _error_response(deltas[0].error)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        metrics, first = request.app[ROUTER_KEY].metrics, True
+        while True:
+            start = time.perf_counter()
+            events, num_tokens, done = [], 0, False
+            for delta in deltas:
+                if delta.error is not None:
+                    events.append(_event(error_body(delta.error.message, delta.error.status, type=delta.error.type)))
+                    done = True
+                    break
+                events.append(fmt.sse(delta, first))
+                first, num_tokens = False, num_tokens + len(delta.token_ids)
+                if delta.finish_reason is not None:
+                    if fmt.include_usage:
+                        events.append(_event(fmt.usage_chunk(_usage(req))))
+                    done = True
+                    break
+            if done:
+                events.append(b"data: [DONE]\n\n")
+            data = b"".join(events)
+            built = time.perf_counter()
+            if data:
+                await resp.write(data)
+            metrics.add_stage("sse", built - start, num_tokens)
+            metrics.add_stage("write", time.perf_counter() - built, num_tokens)
+            if done:
+                break
+            deltas = await req.wait_deltas()
+        await resp.write_eof()
+        return resp
+    finally:
+        watch.cancel()
 
 
-async def _send_event(resp: web.StreamResponse, obj: dict) -> None:
-    await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

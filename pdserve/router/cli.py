@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
+import uuid
 
 from aiohttp import web
 
@@ -16,6 +18,8 @@ from pdserve.router.registry import DEFAULT_MAX_QUEUE
 
 logger = logging.getLogger(__name__)
 
+API_SERVER_HEADER = "X-Pdserve-Api-Server"  # which of --api-server-count processes answered
+
 
 def build_parser() -> argparse.ArgumentParser:
     # Each help states its default itself: ArgumentDefaultsHelpFormatter would print the API key
@@ -24,7 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API (default: %(default)s)")
     p.add_argument("--control-addr", default="tcp://127.0.0.1:0",
-                   help="ZMQ address nodes connect to; port 0 picks a free one, printed at start (default: %(default)s)")
+                   help="ZMQ address nodes connect to; port 0 picks a free one, printed at start. With "
+                        "--api-server-count N: the first of N consecutive ports, or a comma list of N addresses "
+                        "(default: %(default)s)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="router processes sharing the HTTP port (SO_REUSEPORT), each with its own control "
+                        "socket; nodes register with all of them (--router A,B,...) (default: %(default)s)")
+    p.add_argument("--api-server-index", type=int, default=None, metavar="I",
+                   help="set by the parent of --api-server-count: this process is API server I, opens the HTTP "
+                        "port with SO_REUSEPORT and names itself in the X-Pdserve-Api-Server header (default: none)")
     p.add_argument("--model", default=DEFAULT_MODEL_ALIAS,
                    help="local HF folder, .gguf file, or 'smollm2'; the router only loads its tokenizer "
                         "(default: %(default)s)")
@@ -70,8 +82,13 @@ def load_tokenizer(model: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.api_server_count < 1:
+        parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_server_count > 1:
+        return run_parent(args, sys.argv[1:] if argv is None else list(argv))
     try:  # before the tokenizer loads, so the refusal is immediate
         check_or_warn(router_sockets(args), args.zmq_curve_keys, args.insecure, logger)
     except InsecureExposureError as e:
@@ -91,17 +108,59 @@ def main(argv: list[str] | None = None) -> int:
                     curve=curve)
     app = create_app(router, api_key=args.api_key or None, instance_id=args.instance_id)
 
+    name = "pdserve router" if args.api_server_index is None else f"pdserve router {args.api_server_index}"
+
     async def start(_app: web.Application) -> None:
         await router.start()
-        print(f"pdserve router: control socket at {router.control_addr}", flush=True)
+        print(f"{name}: control socket at {router.control_addr}", flush=True)
 
     async def close(_app: web.Application) -> None:
         await router.close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(close)
+    index = args.api_server_index
+    if index is not None:  # one of --api-server-count processes: say which one answered
+        async def name_server(_request: web.Request, response: web.StreamResponse) -> None:
+            response.headers[API_SERVER_HEADER] = str(index)
+
+        app.on_response_prepare.append(name_server)
     # handler_cancellation: a client that hangs up cancels its handler at once, which aborts the request.
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True,
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, reuse_port=index is not None,
                 access_log_class=RouterAccessLogger,
-                print=lambda msg: print(f"pdserve router: {msg}", flush=True))
+                print=lambda msg: print(f"{name}: {msg}", flush=True))
     return 0
+
+
+def run_parent(args: argparse.Namespace, argv: list[str]) -> int:
+    """--api-server-count N > 1: check what the children would refuse, then start and supervise
+    them (router/api_servers.py). Each child gets this command line with its own control
+    address, index and the shared instance id and port appended (argparse keeps the last value)."""
+    from pdserve.cli.preflight import check_port_free
+    from pdserve.router.api_servers import control_addresses, run_api_servers
+
+    n = args.api_server_count
+    try:
+        addrs = control_addresses(args.control_addr, n)
+        check_or_warn([(a, "control socket", False) for a in addrs], args.zmq_curve_keys, args.insecure, logger)
+    except (ValueError, InsecureExposureError) as e:
+        print(f"pdserve router: error: {e}", file=sys.stderr)
+        return 2
+    port = args.port or free_port(args.host)
+    error = check_port_free(args.host, port)
+    if error:
+        print(f"pdserve router: error: {error}", file=sys.stderr)
+        return 1
+    instance_id = args.instance_id or uuid.uuid4().hex  # one for all: /health answers it whichever serves
+    commands = [[sys.executable, "-m", "pdserve.router", *argv, "--api-server-count", "1", "--api-server-index",
+                 str(i), "--control-addr", addr, "--port", str(port), "--instance-id", instance_id]
+                for i, addr in enumerate(addrs)]
+    print(f"pdserve router: {n} API servers on http://{args.host}:{port}; nodes register with all of them: "
+          f"--router {','.join(addrs)}", flush=True)
+    return run_api_servers(commands)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

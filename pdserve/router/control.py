@@ -36,7 +36,9 @@ With CURVE keys (kvtransfer.curve) the socket is a CURVE server and:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -50,7 +52,7 @@ from pdserve.kvtransfer.curve import (
     monitor_handshakes,
     stop_authenticator,
 )
-from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
+from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, TokenBatch, decode, encode
 from pdserve.kvtransfer.sockets import endpoint, make_socket
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES + (64 << 10)  # a peer that sends a bigger frame is dropped by libzmq
 # (sender identity, message, the sender's CURVE public key in z85, or None without CURVE)
 YIELD_EVERY = 32  # control messages handled per turn of the event loop, at most
+TURN_BUDGET_S = 0.005  # and this long, at most (a TokenBatch of a big step takes a while)
+MAX_BACKLOG = 10_000  # messages read off the socket but not yet handled, at most (then libzmq queues)
 MessageHandler = Callable[[bytes, Message, "str | None"], Awaitable[None]]
 
 
@@ -73,6 +77,10 @@ class ControlSocket:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        self._shadow: zmq.Socket | None = None  # the same socket, for non-blocking reads without a future
+        self.backlog: collections.deque[tuple[list[zmq.Frame], float]] = collections.deque()  # (frames, read at)
+        self.num_tokens_decoded = 0  # TokenBatch tokens decoded, and the seconds that took
+        self.decode_s = 0.0
 
     def open(self) -> str:
         """Bind the socket; returns the bound address."""
@@ -89,9 +97,12 @@ class ControlSocket:
             self.close()
             raise
         self.addr = endpoint(self._sock)
+        self._shadow = zmq.Socket.shadow(self._sock.underlying)
         return self.addr
 
     def close(self) -> None:
+        self.backlog.clear()
+        self._shadow = None  # a shadow does not own the socket: closing the original closes it
         if self._sock is not None:
             close_server(self._sock, self._monitor)
             self._sock = self._monitor = None
@@ -114,25 +125,58 @@ class ControlSocket:
         self._ctx.term()
         self._ctx = None
 
-    async def recv_loop(self, handle: MessageHandler, yield_every: int = YIELD_EVERY) -> None:
-        """Receive messages one at a time and await `handle` on each, until cancelled. While
-        messages keep arriving, awaiting a receive that is already done never gives the event loop
-        back, so the HTTP side (streams to clients, new requests) would starve: after every
-        `yield_every` messages the loop yields once."""
-        handled = 0
+    async def recv_loop(self, handle: MessageHandler, yield_every: int = YIELD_EVERY,
+                        turn_budget_s: float = TURN_BUDGET_S) -> None:
+        """Receive messages and await `handle` on each, until cancelled.
+
+        Fairness: while messages keep arriving, awaiting a receive that is already done never gives
+        the event loop back, so the HTTP side (streams to clients, new requests) would starve. So
+        each turn takes whatever the socket holds into `backlog` (read off the socket at once, so
+        libzmq's per-node queue never fills and drops a node's tokens), handles at most
+        `yield_every` messages or `turn_budget_s` seconds of them, and yields. The backlog's
+        length and its oldest message's age are the router's control-side saturation."""
+        backlog = self.backlog
         while True:
-            handled += 1
-            if handled % yield_every == 0:
-                await asyncio.sleep(0)
-            parts = await self._sock.recv_multipart(copy=False)
-            frames = [part.bytes for part in parts]
-            peer_key = _user_id(parts[-1]) if self.curve is not None else None
-            try:
-                await handle(*_decode(frames), peer_key)
-            except MessageError as e:
-                logger.warning("dropped a message from %r: %s", frames[0][:64], e)
-            except Exception:  # a bug handling one message must not stop the router
-                logger.exception("error handling a message from %r", frames[0][:64])
+            if not backlog:
+                backlog.append((await self._sock.recv_multipart(copy=False), time.monotonic()))
+            self._read_ready()
+            start = time.perf_counter()
+            for _ in range(yield_every):
+                parts, _ = backlog.popleft()
+                await self._handle(parts, handle)
+                if not backlog or time.perf_counter() - start > turn_budget_s:
+                    break
+            await asyncio.sleep(0)
+
+    def _read_ready(self) -> None:
+        """Move every message the socket holds now into the backlog (up to MAX_BACKLOG)."""
+        sock, backlog = self._shadow, self.backlog
+        now = time.monotonic()
+        try:
+            while len(backlog) < MAX_BACKLOG:
+                backlog.append((sock.recv_multipart(zmq.NOBLOCK, copy=False), now))
+        except zmq.Again:
+            pass
+
+    def backlog_age_s(self) -> float:
+        """How long the oldest message not yet handled has waited since it was read (0: none)."""
+        backlog = self.backlog
+        return time.monotonic() - backlog[0][1] if backlog else 0.0
+
+    async def _handle(self, parts: list[zmq.Frame], handle: MessageHandler) -> None:
+        frames = [part.bytes for part in parts]
+        peer_key = _user_id(parts[-1]) if self.curve is not None else None
+        try:
+            start = time.perf_counter()
+            identity, msg = _decode(frames)
+            if type(msg) is TokenBatch:
+                self.num_tokens_decoded += len(msg)
+                self.decode_s += time.perf_counter() - start
+            await handle(identity, msg, peer_key)
+        except MessageError as e:
+            logger.warning("dropped a message from %r: %s", frames[0][:64], e)
+        except Exception:  # a bug handling one message must not stop the router
+            logger.exception("error handling a message from %r", frames[0][:64])
 
     async def send(self, identity: bytes, node_id: str, msg: Message, log_level: int = logging.WARNING) -> bool:
         """Send `msg` to the node connected as `identity`; False (logged) when it cannot go out."""

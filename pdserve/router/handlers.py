@@ -58,7 +58,7 @@ from pdserve.kvtransfer.messages import (
 from pdserve.router.control import ControlSocket
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import Registry
-from pdserve.router.request_state import RouterError, RouterRequest
+from pdserve.router.request_state import RouterError, RouterRequest, receive_batch
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ ROLES = ("prefill", "decode", "both")
 
 class NodeMessages:
     """The handlers of node messages. Mixed into `Router`, whose state they use (below) and whose
-    `_send`, `_deliver`, `_fail`, `_redispatch`, `_unpark` and `_node_lost` they call."""
+    `_send`, `_deliver`, `_delivered`, `_fail`, `_redispatch`, `_unpark` and `_node_lost` they call."""
 
     served_model_name: str
     registry: Registry
@@ -190,13 +190,23 @@ class NodeMessages:
             self.metrics.observe_first_token(req)
 
     async def _on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
-        for token in msg.tokens:
-            req = self.requests.get(token.request_id)
+        node_id, requests, arrivals = msg.node_id, self.requests, []
+        logprobs = msg.logprobs or None
+        for i, wire_id in enumerate(msg.request_ids):
+            req = requests.get(wire_id)
             if req is None:
                 continue
-            if msg.node_id != req.decode_node_id and msg.node_id != req.prefill_node_id:
+            if node_id != req.decode_node_id and node_id != req.prefill_node_id:
                 continue  # not this node's request: a stranger's, or another key's (module docstring)
-            await self._deliver(req, token)
+            arrivals.append((req, Token(wire_id, msg.indexes[i], msg.token_ids[i],
+                                        logprobs[i] if logprobs else None, msg.finish_reasons[i])))
+        if not arrivals:
+            return
+        start = time.perf_counter()
+        deltas = receive_batch(arrivals)
+        self.metrics.add_stage("detokenize", time.perf_counter() - start, len(arrivals))
+        for req, delta in deltas.items():
+            await self._delivered(req, delta)
 
     async def _on_error(self, identity: bytes, msg: Error) -> None:
         req = self.requests.get(msg.request_id)

@@ -14,18 +14,32 @@ When each is recorded, and why there:
                              thread, no_curve / handshake from its monitor; node_id_taken from
                              the handlers); prometheus_client counters are thread-safe
     scrape                   requests in flight, live nodes per role      (read from the router)
+    saturation               loop lag (a probe every 50 ms), control backlog, requests shed with
+                             a 429, and the router's own time per token by stage
+                             (router/saturation.py says what the signals mean)
 
-ITL is observed from `RequestTiming.token_times` when the request ends, not per token: the
-histogram ends up the same and the per-token path stays free of metric calls.
+The per-token stage times are plain float sums on this object (`add_stage`), exported at scrape:
+a prometheus_client call per stream per step would cost more than some of the stages it measures.
+Seconds over tokens of one stage is the router's time per token in it:
+
+    decode       wire bytes to a validated TokenBatch (control.py)
+    detokenize   re-sequencing, detokenization, stop strings, logprobs (handlers.py)
+    sse          building the events of a stream (app.py)
+    write        handing them to the client's socket (app.py)
+
+ITL is observed from `RequestTiming.token_times` when the request ends, not per token, and all
+of a request's gaps at once (`BulkHistogram`): the histogram ends up the same and the per-token
+path stays free of metric calls.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pdserve.kvtransfer.curve import AUTH_REFUSAL_REASONS
 from pdserve.router.request_state import RouterRequest
@@ -39,6 +53,9 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 COMMON_ERROR_CODES = ("400", "401", "404", "413", "429", "500", "503")  # pre-created series of request_errors
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill", "first_token_delivery")
+ROUTER_STAGES = ("decode", "detokenize", "sse", "write")
+SHED_REASONS = ("loop_lag", "control_backlog", "in_flight_limit")
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class RouterMetrics:
@@ -56,8 +73,9 @@ class RouterMetrics:
                                     buckets=TTFT_BUCKETS)
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Per request: (last token - first "
                               "token) / (output tokens - 1)", registry=r, buckets=TOKEN_BUCKETS)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens "
-                             "delivered in order", registry=r, buckets=TOKEN_BUCKETS)
+        self.itl = BulkHistogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens "
+                                 "delivered in order", TOKEN_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival at the router to the end of the "
                              "request", registry=r, buckets=E2E_BUCKETS)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests prefilled", registry=r)
@@ -75,10 +93,27 @@ class RouterMetrics:
             self.request_errors.labels(code=code)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(finished_reason=reason)
+        self.shed = Counter("pdserve_router_requests_shed", "New requests refused with a 429 because the "
+                            "router itself was saturated, by reason (loop_lag, control_backlog, "
+                            "in_flight_limit)", ["reason"], registry=r)
+        for reason in SHED_REASONS:
+            self.shed.labels(reason=reason)
+        self.loop_lag = Histogram("pdserve_router_event_loop_lag_seconds", "How late the router's event loop "
+                                  "ran a timer (probed every 50 ms)", registry=r, buckets=LAG_BUCKETS)
+        self.stage_seconds = dict.fromkeys(ROUTER_STAGES, 0.0)  # add_stage; exported at scrape
+        self.stage_tokens = dict.fromkeys(ROUTER_STAGES, 0)
 
     def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
         """Scrape-time gauges: requests in flight, and (role, ready) of every live node."""
         self.registry.register(_RouterStateCollector(num_running, node_roles))
+
+    def watch_saturation(self, saturation, control) -> None:
+        """Scrape-time saturation gauges and the per-token stage counters (module docstring)."""
+        self.registry.register(_SaturationCollector(self, saturation, control))
+
+    def add_stage(self, stage: str, seconds: float, num_tokens: int) -> None:
+        self.stage_seconds[stage] += seconds
+        self.stage_tokens[stage] += num_tokens
 
     # ---- events -------------------------------------------------------------------------------
     def observe_first_token(self, req: RouterRequest) -> None:
@@ -100,8 +135,8 @@ class RouterMetrics:
         t = req.timing
         num_out = len(req.output_token_ids)
         self.generation_tokens.inc(num_out)
-        for prev, cur in zip(t.token_times, t.token_times[1:]):
-            self.itl.observe(cur - prev)
+        times = t.token_times
+        self.itl.observe_many([cur - prev for prev, cur in zip(times, times[1:])])
         if finished_reason is None:
             return
         self.request_success.labels(finished_reason=finished_reason).inc()
@@ -119,6 +154,37 @@ class RouterMetrics:
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(code=str(status)).inc()
+
+    def observe_shed(self, reason: str) -> None:
+        self.shed.labels(reason=reason).inc()
+
+
+class BulkHistogram:
+    """A histogram observed many values at a time (a request's inter-token gaps at its end): one
+    bisect per value, no lock, exported at scrape. prometheus_client's Histogram costs a lock and
+    a linear bucket scan per value, which at every streamed token was a visible share of the
+    router's time per token. Single-threaded use (the event loop), like the rest of the router."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one: +Inf
+        self.sum = 0.0
+
+    def observe_many(self, values: list[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        for v in values:
+            counts[bisect.bisect_left(bounds, v)] += 1  # a value on a bound counts in that bucket (le)
+        self.sum += sum(values)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric([], buckets, self.sum)
+        yield family
 
 
 class _RouterStateCollector:
@@ -143,4 +209,36 @@ class _RouterStateCollector:
             family = GaugeMetricFamily(name, doc, labels=["role"])
             for role in ("prefill", "decode", "both"):
                 family.add_metric([role], tally[role])
+            yield family
+
+
+class _SaturationCollector:
+    """The router's own saturation (router/saturation.py) and its time per token by stage."""
+
+    def __init__(self, metrics: RouterMetrics, saturation, control) -> None:
+        self._metrics, self._saturation, self._control = metrics, saturation, control
+
+    def collect(self):
+        sat, control = self._saturation, self._control
+        for name, doc, value in (
+                ("pdserve_router_loop_lag_seconds", "The event loop's worst lag over the last second", sat.loop_lag_s()),
+                ("pdserve_router_control_backlog", "Node messages read off the control socket, not yet handled",
+                 len(control.backlog)),
+                ("pdserve_router_control_backlog_age_seconds", "How long the oldest of them has waited",
+                 control.backlog_age_s()),
+                ("pdserve_router_in_flight_limit", "Requests in flight the router admits while it recovers "
+                 "from an overload (0: no limit)", sat.limit or 0)):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], value)
+            yield gauge
+        seconds = dict(self._metrics.stage_seconds, decode=control.decode_s)
+        tokens = dict(self._metrics.stage_tokens, decode=control.num_tokens_decoded)
+        for name, doc, values in (
+                ("pdserve_router_token_stage_seconds", "Router time spent on streamed tokens, by stage "
+                 "(decode, detokenize, sse, write); over pdserve_router_token_stage_tokens: time per token",
+                 seconds),
+                ("pdserve_router_token_stage_tokens", "Tokens through each stage", tokens)):
+            family = CounterMetricFamily(name, doc, labels=["stage"])
+            for stage in ROUTER_STAGES:
+                family.add_metric([stage], values[stage])
             yield family

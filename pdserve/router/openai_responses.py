@@ -4,12 +4,19 @@ Both formats share one interface (`full`, `chunks`, `usage_chunk`), so the HTTP 
 collects a request the same way whatever the endpoint. Logprobs follow each endpoint's shape:
 completions' legacy columns (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`) and chat's
 list of `{token, logprob, bytes, top_logprobs}`.
+
+A stream's events are built by `sse`, not by `json.dumps` of each chunk: a chunk's envelope is the
+same for the whole stream, so it is rendered once, and each event only escapes its text. The bytes
+are exactly `json.dumps(chunk, ensure_ascii=False)` of what `chunks` returns (tests/router check
+it); the logprobs part, when asked for, still goes through json.dumps.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from json.encoder import encode_basestring as _json_str  # what json.dumps(ensure_ascii=False) uses
 
 from pdserve.router.request_state import Delta, TokenLogprob
 
@@ -33,6 +40,7 @@ class _Format:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.include_usage = include_usage
         self.top_logprobs = top_logprobs  # None: logprobs were not asked for
+        self._sse_head: tuple[str, str] | None = None  # (before a choice's fields, after them)
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -50,6 +58,26 @@ class _Format:
     def usage_chunk(self, usage_: dict) -> dict:
         return self._envelope(self.object_chunk, [], usage=usage_)
 
+    def _head(self) -> tuple[str, str]:
+        """An event's text before and after its one choice's fields after "index": the envelope
+        of `_chunk` as json.dumps writes it."""
+        if self._sse_head is None:
+            before = (f'data: {{"id": {_json_str(self.request_id)}, "object": {_json_str(self.object_chunk)}, '
+                      f'"created": {json.dumps(self.created)}, "model": {_json_str(self.model)}, '
+                      f'"choices": [{{"index": 0, ')
+            after = '}], "usage": null}\n\n' if self.include_usage else '}]}\n\n'
+            self._sse_head = before, after
+        return self._sse_head
+
+    def _tail_fields(self, delta: Delta, token_ids: bool = True) -> str:
+        """`"logprobs": ..., "finish_reason": ...[, "token_ids": [...]]` of a chunk."""
+        logprobs = "null" if self.top_logprobs is None else json.dumps(self._logprobs(delta.logprobs), ensure_ascii=False)
+        finish = "null" if delta.finish_reason is None else _json_str(delta.finish_reason)
+        out = f'"logprobs": {logprobs}, "finish_reason": {finish}'
+        if token_ids and self.return_token_ids:
+            out += ', "token_ids": [' + ", ".join(map(str, delta.token_ids)) + "]"
+        return out
+
 
 class CompletionFormat(_Format):
     object_full = "text_completion"
@@ -64,6 +92,13 @@ class CompletionFormat(_Format):
             return []
         return [self._chunk({"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs),
                              "finish_reason": delta.finish_reason}, delta.token_ids)]
+
+    def sse(self, delta: Delta, first: bool) -> bytes:
+        """`chunks(delta, first)` as SSE events (module docstring)."""
+        if not (delta.text or delta.logprobs or delta.finish_reason or self._has_ids(delta)):
+            return b""
+        before, after = self._head()
+        return f'{before}"text": {_json_str(delta.text)}, {self._tail_fields(delta)}{after}'.encode()
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.top_logprobs is None:
@@ -91,6 +126,17 @@ class ChatFormat(_Format):
             out.append(self._chunk({"index": 0, "delta": body, "logprobs": self._logprobs(delta.logprobs),
                                     "finish_reason": delta.finish_reason}, delta.token_ids))
         return out
+
+    def sse(self, delta: Delta, first: bool) -> bytes:
+        """`chunks(delta, first)` as SSE events (module docstring)."""
+        before, after = self._head()
+        out = ""
+        if first:
+            out = f'{before}"delta": {{"role": "assistant", "content": ""}}, "logprobs": null, "finish_reason": null{after}'
+        if delta.text or delta.logprobs or delta.finish_reason or self._has_ids(delta):
+            body = f'{{"content": {_json_str(delta.text)}}}' if delta.text else "{}"
+            out += f'{before}"delta": {body}, {self._tail_fields(delta)}{after}'
+        return out.encode()
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.top_logprobs is None:

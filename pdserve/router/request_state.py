@@ -16,6 +16,13 @@ Tokens carry their output index. The first token comes from the prefill node and
 from the decode node, on different sockets, so they may arrive in any order: each is buffered
 until every token before it is in, then fed to the detokenizer in order. A token at or past an
 index already delivered, or past max_tokens, is a duplicate or a bug and is dropped.
+`receive_batch` takes a whole TokenBatch (one token per request, usually: the next one, which
+skips the buffer) and detokenizes it in rounds of one token per request, so a stop string ends
+a request at the token that completed it, exactly as token-by-token delivery would.
+
+The HTTP side reads a request's output from its outbox: the router `push`es one delta per
+request per batch, and the handler (`wait_deltas`) takes everything pushed since it last ran;
+a non-streamed request's handler is only woken at the end.
 
 Attempts. When a node holding the request dies (or a KV transfer fails) the router re-dispatches
 it: attempt k+1 is a new request on the nodes, with its own wire id (`wire_id`), whose prompt is
@@ -33,7 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer, add_tokens_batch
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.messages import Token
 
@@ -51,9 +58,11 @@ class RouterRequestStatus(enum.Enum):
     ABORTED = "aborted"
     FAILED = "failed"
 
-    @property
-    def is_done(self) -> bool:
-        return self in (RouterRequestStatus.FINISHED, RouterRequestStatus.ABORTED, RouterRequestStatus.FAILED)
+    is_done: bool  # set on each member below: a plain attribute, read for every token
+
+
+for _status in RouterRequestStatus:
+    _status.is_done = _status.name in ("FINISHED", "ABORTED", "FAILED")
 
 
 @dataclass
@@ -87,7 +96,7 @@ class RouterError:
     type: str  # the OpenAI error type
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one event adds to a request's output; the HTTP side turns it into a chunk."""
 
@@ -114,7 +123,9 @@ class RouterRequest:
         self.output_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.stopped_by_router = False  # a stop string ended it while the nodes were still generating
-        self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        self.outbox: list[Delta] = []  # deltas not yet taken by the HTTP side (take_deltas)
+        self.wake_each_delta = True  # False (not streamed): the HTTP side is woken at the end only
+        self._waiter: asyncio.Future | None = None
         self._pending: dict[int, Token] = {}  # out-of-order tokens, by output index
         self._num_logprob_chars = 0
         self.attempt = 0  # re-dispatches so far
@@ -159,21 +170,29 @@ class RouterRequest:
 
     def receive(self, token: Token) -> Delta | None:
         """Buffer one token of the current attempt; returns what became deliverable in order
-        (None when nothing did)."""
-        index = len(self.output_token_ids)
-        at = token.index + self.index_offset  # the token's index in the whole output
-        if (self.status.is_done or token.index < 0 or at < index or at >= self.sampling.max_tokens
-                or at in self._pending):
-            return None
-        self._pending[at] = token
-        delta = Delta()
-        while not self.status.is_done and index in self._pending:
-            self._accept(self._pending.pop(index), delta)
-            index += 1
-        return delta if delta.token_ids else None
+        (None when nothing did). One token alone; `receive_batch` takes a step's worth."""
+        return receive_batch([(self, token)]).get(self)
 
-    def _accept(self, token: Token, delta: Delta) -> None:
-        now = time.monotonic()
+    def _buffer(self, token: Token) -> bool:
+        """Keep `token` until every token before it is in; False when it is dropped (a
+        duplicate, out of range, or the request ended)."""
+        at = token.index + self.index_offset  # the token's index in the whole output
+        if (self.status.is_done or token.index < 0 or at < len(self.output_token_ids)
+                or at >= self.sampling.max_tokens or at in self._pending):
+            return False
+        self._pending[at] = token
+        return True
+
+    def _take_in_order(self) -> list[Token]:
+        """The buffered tokens that follow the output without a gap, removed from the buffer."""
+        out, index = [], len(self.output_token_ids)
+        while index in self._pending:
+            out.append(self._pending.pop(index))
+            index += 1
+        return out
+
+    def _accept(self, token: Token, piece: str, delta: Delta, now: float) -> None:
+        """`token` is the next output token and `piece` the text the detokenizer let out for it."""
         final = token.finish_reason is not None
         if not self.output_token_ids:
             self.timing.first_token = now
@@ -181,7 +200,7 @@ class RouterRequest:
         self.output_token_ids.append(token.token_id)
         self.timing.token_times.append(now)
         delta.token_ids.append(token.token_id)
-        delta.text += self.detokenizer.add_tokens([token.token_id], final=final)
+        delta.text += piece
         if self.sampling.logprobs is not None:
             delta.logprobs.append(self._logprob(token))
         if self.detokenizer.stopped:
@@ -205,7 +224,34 @@ class RouterRequest:
         return entry
 
     def _decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return self.detokenizer.decoder.decode_one(token_id)
+
+    # ---- the HTTP side's end of the request ---------------------------------------------------
+    def push(self, delta: Delta) -> None:
+        """Hand `delta` to the HTTP side, waking it (a non-streamed request: at the end only)."""
+        self.outbox.append(delta)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and (self.wake_each_delta or self.status.is_done):
+            waiter.set_result(None)
+
+    def take_deltas(self) -> list[Delta]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    async def wait_deltas(self) -> list[Delta]:
+        """The deltas pushed since the last call, waiting for one if there are none."""
+        if not self.outbox or not (self.wake_each_delta or self.status.is_done):
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.take_deltas()
+
+    def interrupt(self, error: BaseException) -> None:
+        """Raise `error` in the HTTP side's `wait_deltas` (its client went away)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(error)
 
     def fail(self, error: RouterError) -> Delta | None:
         """End the request with an error; None if it already ended."""
@@ -222,3 +268,44 @@ class RouterRequest:
         self.status = RouterRequestStatus.ABORTED
         self.timing.finished = time.monotonic()
         return True
+
+
+_UNSEEN: list = []  # receive_batch: no token of the request yet
+
+
+def receive_batch(arrivals: list[tuple[RouterRequest, Token]]) -> dict[RouterRequest, Delta]:
+    """A step's tokens, each for its request: buffer them, then deliver what is in order, one token
+    per request per round (`add_tokens_batch`), so a stop string ends a request at the very token
+    that completed it, as if the tokens had come one by one. Returns each request's delta, for
+    those whose output grew."""
+    order: dict[RouterRequest, list[Token] | None] = {}  # None: take what is in order from the buffer
+    for req, token in arrivals:
+        seen = order.get(req, _UNSEEN)
+        if (seen is _UNSEEN and not req._pending and not req.status.is_done and token.index >= 0
+                and token.index + req.index_offset == len(req.output_token_ids) < req.sampling.max_tokens):
+            order[req] = [token]  # the usual case: the next token, nothing buffered
+            continue
+        if seen is not _UNSEEN and seen is not None:  # a second token: the first goes to the buffer too
+            req._pending[len(req.output_token_ids)] = seen[0]
+        if req._buffer(token) or seen is not _UNSEEN:
+            order[req] = None
+    for req, tokens in order.items():
+        if tokens is None:
+            order[req] = req._take_in_order()
+    deltas: dict[RouterRequest, Delta] = {}
+    now = time.monotonic()
+    round_ = 0
+    while True:
+        items = [(req, tokens[round_]) for req, tokens in order.items()
+                 if round_ < len(tokens) and not req.status.is_done]
+        if not items:
+            break
+        pieces = add_tokens_batch([(req.detokenizer, token.token_id, token.finish_reason is not None)
+                                   for req, token in items])
+        for (req, token), piece in zip(items, pieces):
+            delta = deltas.get(req)
+            if delta is None:
+                delta = deltas[req] = Delta()
+            req._accept(token, piece, delta, now)
+        round_ += 1
+    return deltas

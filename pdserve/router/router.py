@@ -14,10 +14,11 @@ object the HTTP side and the tests hold; its parts live in one file per concept:
 
 A request's life in the router: `parse` validates the body (4xx before any node sees it),
 `submit` picks the nodes and sends PrefillRequest (429 + Retry-After when every ready node of a
-role is past its queue limit; 503 with no ready node at all), tokens come back through the
-handlers into `req.deltas`, and `release` aborts it on the nodes if the client left before it
+role is past its queue limit, or when the router itself lags: saturation.py; 503 with no ready
+node at all), tokens come back through the
+handlers into the request's outbox (`req.push`), and `release` aborts it on the nodes if the client left before it
 ended. Failures (see "Failure handling" in the README) end in a re-dispatch (redispatch.py) or an
-error in `req.deltas`.
+error delta in its outbox.
 
 `self.metrics` (router/metrics.py) records a request's first token, its end, errors and retries,
 and the peers the control socket refused (`pdserve_auth_refusals_total{reason}`).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 
@@ -42,7 +44,8 @@ from pdserve.router.openai_errors import ProtocolError
 from pdserve.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S, Redispatch
 from pdserve.router.registry import DEFAULT_MAX_QUEUE, NodeInfo, NoNodeError, OverloadedError, Registry, Route
-from pdserve.router.request_state import RouterError, RouterRequest
+from pdserve.router.request_state import Delta, RouterError, RouterRequest
+from pdserve.router.saturation import DEFAULT_MAX_LAG_S, Saturation
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,8 @@ class Router(NodeMessages, Redispatch, Monitor):
                  request_timeout_s: float | None = 600.0, max_retries: int = DEFAULT_MAX_RETRIES,
                  max_queue: int = DEFAULT_MAX_QUEUE, lost_after_s: float | None = None,
                  retry_wait_s: float = DEFAULT_RETRY_WAIT_S,
-                 curve=None, metrics: RouterMetrics | None = None) -> None:
+                 curve=None, metrics: RouterMetrics | None = None,
+                 max_lag_s: float | None = DEFAULT_MAX_LAG_S) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity, max_queue=max_queue)
@@ -73,6 +77,10 @@ class Router(NodeMessages, Redispatch, Monitor):
         self._taken_logged: set[tuple[str, str]] = set()  # (node id, key) refusals already logged
         self.metrics.watch(lambda: len(self.requests) + len(self.parked),
                            lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
+        # max_lag_s: shed new requests (429) once the router itself lags this much (saturation.py)
+        self.saturation = Saturation(self.control.backlog_age_s, max_lag_s=max_lag_s,
+                                     on_lag=self.metrics.loop_lag.observe)
+        self.metrics.watch_saturation(self.saturation, self.control)
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -82,10 +90,15 @@ class Router(NodeMessages, Redispatch, Monitor):
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
+        # Everything alive now (the tokenizer, transformers and torch modules: ~300k objects) stays
+        # alive: freezing it keeps the cyclic GC from scanning it again in every full collection,
+        # which the per-token allocations trigger often (a third of the router's time per token).
+        gc.freeze()
         self.control.open()
         self._tasks = [asyncio.create_task(self.control.recv_loop(self._on_message)),
                        asyncio.create_task(self.control.monitor_loop()),
-                       asyncio.create_task(self._monitor_loop())]
+                       asyncio.create_task(self._monitor_loop()),
+                       asyncio.create_task(self.saturation.probe_loop())]
         logger.info("router control socket bound at %s", self.control_addr)
 
     async def close(self) -> None:
@@ -98,6 +111,7 @@ class Router(NodeMessages, Redispatch, Monitor):
                 await task
         self._tasks = []
         self.control.close()
+        gc.unfreeze()  # a process that goes on (tests) gets its garbage collected again
 
     def _on_auth_refused(self, reason: str, peer: str) -> None:
         """The control socket refused a peer (any thread: the ZAP callback runs in its own)."""
@@ -114,7 +128,13 @@ class Router(NodeMessages, Redispatch, Monitor):
 
     async def submit(self, request_id: str, parsed: ParsedRequest) -> RouterRequest:
         """Pick the nodes and send the PrefillRequest. Raises ProtocolError: 503 when no node can
-        take it, 429 (with Retry-After) when every node of a role is past its queue limit."""
+        take it, 429 (with Retry-After) when every node of a role is past its queue limit or when
+        the router itself is saturated (saturation.py)."""
+        shed = self.saturation.admit(len(self.requests) + len(self.parked))
+        if shed is not None:
+            self.metrics.observe_shed(shed)
+            raise ProtocolError(f"the router is overloaded ({shed.replace('_', ' ')}); retry later", status=429,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         req = RouterRequest(request_id, parsed.prompt_token_ids, parsed.sampling, self.tokenizer, deadline=deadline)
         try:
@@ -124,7 +144,7 @@ class Router(NodeMessages, Redispatch, Monitor):
         except OverloadedError as e:
             raise ProtocolError(f"every {e} node is at its queue limit; retry later", status=429,
                                 headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        if not await self._dispatch(req, route):  # a failure ends up in req.deltas, like any other
+        if not await self._dispatch(req, route):  # a failure ends up in req's outbox, like any other
             await self._redispatch(req, f"prefill node {route.prefill.node_id} is unreachable")
         return req
 
@@ -150,9 +170,12 @@ class Router(NodeMessages, Redispatch, Monitor):
 
     async def _deliver(self, req: RouterRequest, token: Token) -> None:
         delta = req.receive(token)
-        if delta is None:
-            return
-        req.deltas.put_nowait(delta)
+        if delta is not None:
+            await self._delivered(req, delta)
+
+    async def _delivered(self, req: RouterRequest, delta: Delta) -> None:
+        """`req`'s output grew by `delta`: hand it to the HTTP side, and end the request if it ended."""
+        req.push(delta)
         if req.status.is_done:
             self.metrics.observe_end(req, req.finish_reason)
             if req.stopped_by_router:  # the nodes would keep generating past the stop string
@@ -166,7 +189,7 @@ class Router(NodeMessages, Redispatch, Monitor):
         logger.warning("request %s failed: %s", req.request_id, error.message)
         self.metrics.observe_error(error.status)
         self.metrics.observe_end(req, None)
-        req.deltas.put_nowait(delta)
+        req.push(delta)
         await self._abort_nodes(req, error.message)
         self._forget(req)
 

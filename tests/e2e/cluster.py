@@ -22,14 +22,17 @@ NODE_MODULES = {"prefill": "pdserve.prefill", "decode": "pdserve.decode", "both"
 
 class Cluster(HttpClient):
     def __init__(self, model: str, *, router_args: list[str] = (), node_args: list[str] = (),
-                 heartbeat_timeout_s: float = 1.5, api_key: str | None = None) -> None:
+                 heartbeat_timeout_s: float = 1.5, api_key: str | None = None, api_server_count: int = 1) -> None:
         self.model = model
         self.api_key = api_key
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.control = f"tcp://127.0.0.1:{free_port()}"
+        # With --api-server-count N: N router processes on the port, nodes given all N control addresses.
+        self.controls = [f"tcp://127.0.0.1:{free_port()}" for _ in range(api_server_count)]
+        self.control = ",".join(self.controls)
         self.router_args = ["--heartbeat-timeout", str(heartbeat_timeout_s), *router_args,
-                            *(["--api-key", api_key] if api_key else [])]
+                            *(["--api-key", api_key] if api_key else []),
+                            *(["--api-server-count", str(api_server_count)] if api_server_count > 1 else [])]
         self.node_args = list(node_args)
         self.procs: dict[str, subprocess.Popen] = {}
         self.node_argv: dict[str, list[str]] = {}
@@ -82,6 +85,15 @@ class Cluster(HttpClient):
 
     def pid(self, name: str) -> int:
         return self.procs[name].pid
+
+    def api_server_pids(self) -> dict[int, int]:
+        """--api-server-count: API server index → pid of its latest process (from the router's log)."""
+        pids = {}
+        for line in self.log("router").splitlines():
+            if line.startswith("pdserve router: API server ") and " started (pid " in line:
+                index, pid = line.split()[4], line.rsplit("pid ", 1)[1].rstrip(")")
+                pids[int(index)] = int(pid)
+        return pids
 
     def alive(self, name: str) -> bool:
         return self.procs[name].poll() is None

@@ -205,8 +205,8 @@ def test_restarted_node_and_router_serve_again(cluster, model_dir):
     streams.join()
     assert_exact(model, ps, streams)
 
-    # The router killed mid-stream: its clients get an error (the connection drops); the nodes keep
-    # the orphans until a new router on the same address re-registers them and has them aborted.
+    # The router killed mid-stream: its clients get an error (the connection drops); the nodes see
+    # their connection to it close and free its requests at once (node/router_links.py).
     streams = Streams(cluster, ps)
     streams.wait_tokens(2)
     cluster.kill("router")

@@ -144,3 +144,49 @@ def test_random_operations_keep_the_books_balanced(ops):
         bm.free(rid)
         bm.free_host(rid)
     assert_no_leak(bm)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "spec", "free", "swap"]), st.integers(0, 5),
+                          st.integers(1, 12), st.integers(0, 4)), max_size=60))
+def test_speculative_grow_and_rollback_keep_the_books_balanced(ops):
+    """Property, with speculative decoding's steps: a request grows by 1 + k slots (its last
+    token and k drafts), keeps `accepted` of the drafts and trims the rest (`trim`); the books
+    balance after every operation, a request never holds a block past its computed tokens after a
+    trim, and freeing everything leaves nothing in use."""
+    bm = make_block_manager(num_blocks=12, block_size=2, num_host_blocks=6)
+    tokens: dict[str, list[int]] = {}
+    for op, who, n, accepted in ops:
+        rid = f"r{who}"
+        if op == "alloc" and rid not in tokens and rid not in bm.host_tables:
+            seq = [(i * (who + 1)) % 3 for i in range(n)]
+            hits = bm.get_computed_blocks(seq)
+            if bm.can_allocate(rid, len(seq), hits):
+                bm.allocate(rid, len(seq), hits)
+                bm.cache_full_blocks(rid, seq, len(seq))
+                tokens[rid] = seq
+        elif op == "spec" and rid in tokens:
+            k = n % 5
+            seq = tokens[rid]
+            if bm.can_allocate(rid, len(seq) + 1 + k):
+                bm.allocate(rid, len(seq) + 1 + k)
+                seq = seq + [n % 3] * (1 + min(accepted, k))  # the fed token and the accepted drafts
+                bm.cache_full_blocks(rid, seq, len(seq))
+                bm.trim(rid, len(seq))
+                assert len(bm.block_ids(rid)) == bm.num_blocks_for(len(seq))
+                tokens[rid] = seq
+        elif op == "free":
+            bm.free(rid)
+            bm.free_host(rid)
+            tokens.pop(rid, None)
+        elif op == "swap" and rid in tokens and bm.can_swap_out(rid):
+            seq = tokens.pop(rid)
+            bm.swap_out(rid)
+            if bm.can_swap_in(rid, len(seq)):
+                bm.swap_in(rid, len(seq))
+                tokens[rid] = seq
+        bm.check_invariants()
+    for rid in list(tokens) + list(bm.host_tables):
+        bm.free(rid)
+        bm.free_host(rid)
+    assert_no_leak(bm)

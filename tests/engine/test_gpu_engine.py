@@ -39,3 +39,23 @@ def test_smollm2_shaped_bf16_mostly_matches_transformers(tmp_path):
     same = sum(g == w for g, w in zip(got, want))
     print(f"bf16 SmolLM2-shaped: {same}/{len(prompts)} prompts match transformers for 32 greedy tokens")
     assert same >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_speculative_decoding_on_the_gpu_is_token_identical(tmp_path, spec):
+    """Verification queries of k+1 tokens through the Triton kernels, between CUDA-graph decode
+    steps (a step without drafts still replays a graph); a draft model's pool on the GPU."""
+    from tests.engine.spec_helpers import copy_prompts
+
+    save_tiny_model(tmp_path, "llama")
+    prompts = copy_prompts(8, seed=1)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    base = LLM(str(tmp_path), dtype="float32", device="cuda", max_num_seqs=16)
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    del base
+    config = ({"method": "ngram", "num_speculative_tokens": 3} if spec == "ngram"
+              else {"model": str(tmp_path), "num_speculative_tokens": 3})
+    llm = LLM(str(tmp_path), dtype="float32", device="cuda", max_num_seqs=16, speculative_config=config)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert llm.engine.block_manager.num_used_blocks == 0

@@ -103,7 +103,8 @@ def test_logprobs_hold_top_n_and_the_sampled_token(llm, tiny_llama):
 
 
 def test_priority_orders_admission(llm, tiny_llama):
-    solo = LLM(str(tiny_llama), dtype="float32", num_threads=2, max_num_seqs=1, kv_cache_memory_gb=SMALL_POOL_GB)
+    solo = LLM(str(tiny_llama), dtype="float32", num_threads=2, max_num_seqs=1, kv_cache_memory_gb=SMALL_POOL_GB,
+               scheduling_policy="priority")
     engine = solo.engine
     for rid, prio in (("late", 3), ("first", -5), ("mid", 0)):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0), request_id=rid, priority=prio)

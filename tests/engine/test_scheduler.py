@@ -114,7 +114,7 @@ def test_out_of_blocks_swaps_when_host_space_allows():
 
 
 def test_priority_orders_admission():
-    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1)
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
     low = make_request(num_tokens=3, max_tokens=1, priority=5)
     high = make_request(num_tokens=3, max_tokens=1, priority=-1)
     mid = make_request(num_tokens=3, max_tokens=1, priority=0)
@@ -130,7 +130,7 @@ def test_priority_orders_admission():
 
 
 def test_preemption_picks_the_lowest_priority():
-    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, scheduling_policy="priority")
     vip = make_request(num_tokens=8, max_tokens=8, priority=-1)
     normal = make_request(num_tokens=8, max_tokens=8, priority=0)
     sched.add_request(normal)
@@ -216,7 +216,8 @@ def test_random_workloads_finish_every_request_and_leak_nothing(specs, max_seqs_
     random steps, tight pools with preemption by recompute or swap. After every step the books
     balance; at the end every request finished and no block is held."""
     sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=2 + max_seqs_extra,
-                           num_host_blocks=host_blocks, enable_prefix_caching=prefix, eos_token_ids=[3])
+                           num_host_blocks=host_blocks, enable_prefix_caching=prefix, eos_token_ids=[3],
+                           scheduling_policy="priority")
     reqs = []
     for i, (n, max_tokens, prio, family) in enumerate(specs):
         prompt = [(family * 7 + j) % 11 + 1 for j in range(n)]
@@ -361,3 +362,54 @@ def test_token_counters_for_throughput():
     # 12 prompt positions computed here (the remote prompt was computed elsewhere); 3 + 2 sampled
     assert (sched.num_prompt_tokens_computed, sched.num_tokens_sampled) == (12, 5)
     assert_no_leak(sched.block_manager)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1, max_size=10),
+    st.integers(1, 4),
+    st.sampled_from([0, 16]),
+    st.booleans(),
+    st.lists(st.integers(0, 11), max_size=3),
+    st.integers(0, 1000),
+)
+def test_random_speculative_workloads_finish_and_leak_nothing(specs, k, host_blocks, prefix, abort_at, salt):
+    """Property, with speculative steps: every decode step gets up to k draft slots; a fake verifier
+    keeps a pseudo-random number of the drafts and adds one token (EOS among them sometimes), so
+    rollbacks, stops mid-draft, preemption (recompute or swap) and aborts all happen. After every
+    step the books balance and no running request holds a block past its computed KV plus the
+    next token; at the end every request finished and no block is held."""
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                           num_host_blocks=host_blocks, enable_prefix_caching=prefix, eos_token_ids=[3],
+                           num_lookahead_tokens=k)
+    bm = sched.block_manager
+    reqs = [make_request([(family * 7 + j) % 11 + 1 for j in range(n)], max_tokens=max_tokens, request_id=f"s{i}")
+            for i, (n, max_tokens, family) in enumerate(specs)]
+    pending = list(reqs)
+    step = 0
+    while pending or sched.has_unfinished():
+        if pending:
+            sched.add_request(pending.pop(0))
+        if step in abort_at and reqs:
+            sched.abort(reqs[step % len(reqs)].request_id)
+        out = sched.schedule()
+        sampled = {}
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            r = s.request
+            token = (r.num_tokens * 5 + salt) % 13
+            if not s.num_lookahead_tokens:
+                sampled[r.request_id] = (token, None)
+                continue
+            s.spec_token_ids = [(r.num_tokens + j + salt) % 13 for j in range(s.num_lookahead_tokens)]
+            kept = s.spec_token_ids[: (r.num_tokens + salt) % (s.num_lookahead_tokens + 1)]
+            sampled[r.request_id] = [(t, None) for t in kept] + [(token, None)]
+        sched.postprocess(out, sampled)
+        bm.check_invariants()
+        for r in sched.running:
+            assert len(bm.block_ids(r.request_id)) <= bm.num_blocks_for(r.num_computed_tokens + 1)
+        step += 1
+        assert step < 2000, "no progress"
+    assert all(r.is_finished for r in reqs)
+    assert_no_leak(bm)

@@ -24,7 +24,8 @@ ADAPTER_VALUES = MONITORING / "prometheus-adapter-values.yaml"
 ROLES = ("router", "prefill", "decode")
 NODE_ROLES = ("prefill", "decode")
 MIN_KUBERNETES = "1.30"
-ROUTER_SERVICE = "pdserve-router"
+ROUTER_SERVICE = "pdserve-router"  # clients (HTTP), spread over the router replicas
+ROUTER_NODES_SERVICE = "pdserve-router-nodes"  # headless: nodes find every router replica (control)
 CURVE_SECRET = "pdserve-curve-keys"
 POD_IP = "10.0.0.7"  # stands for $(POD_IP) where args are parsed
 # Flags of the k8s pods that differ from compose on purpose (each said in the manifests' comments):
@@ -112,7 +113,8 @@ def pod_labels(objs: list[dict], role: str) -> dict:
 def test_overlay_renders_every_part(name):
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in overlay(name))
     assert kinds == sorted([
-        ("Deployment", "pdserve-router"), ("Service", "pdserve-router"),
+        ("Deployment", "pdserve-router"), ("Service", "pdserve-router"), ("Service", "pdserve-router-nodes"),
+        ("PodDisruptionBudget", "pdserve-router"),
         ("Deployment", "pdserve-prefill"), ("Deployment", "pdserve-decode"),
         ("PodDisruptionBudget", "pdserve-prefill"), ("PodDisruptionBudget", "pdserve-decode"),
         ("HorizontalPodAutoscaler", "pdserve-prefill"), ("HorizontalPodAutoscaler", "pdserve-decode"),
@@ -155,7 +157,7 @@ def normalized_args(role: str, argv: list[str], name: str) -> list[str]:
         assert argv[i + 1] == "$(POD_IP)", role
         del argv[i:i + 2]
         router = flag_value(argv, "--router")
-        assert router == f"tcp://{ROUTER_SERVICE}:5555", role
+        assert router == f"tcp://{ROUTER_NODES_SERVICE}:5555", role
         argv[argv.index("--router") + 1] = "tcp://router:5555"  # compose's service name
         if name == "gpu":
             assert flag_value(argv, "--gpu-memory-utilization") == GPU_MEMORY_UTILIZATION, role
@@ -195,11 +197,11 @@ def test_ports_match_compose(name):
     control = int(flag_value(router_cmd, "--control-addr").rsplit(":", 1)[1])
     assert [p.split(":")[-1] for p in svc["router"]["ports"]] == [str(http)]
     assert container_port_numbers(container(objs, "router")) == {http, control}
-    service = objects(objs, "Service")[ROUTER_SERVICE]
-    assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(objs, "router"))
     named = {p["name"]: p["containerPort"] for p in container(objs, "router")["ports"]}
-    assert {(p["port"], named.get(p["targetPort"], p["targetPort"])) for p in service["spec"]["ports"]} == \
-        {(http, http), (control, control)}
+    for name_, ports in ((ROUTER_SERVICE, {(http, http)}), (ROUTER_NODES_SERVICE, {(control, control)})):
+        service = objects(objs, "Service")[name_]
+        assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(objs, "router"))
+        assert {(p["port"], named.get(p["targetPort"], p["targetPort"])) for p in service["spec"]["ports"]} == ports
     expected = {"prefill": {"--status-port"}, "decode": {"--status-port", "--kv-port"}}
     for role, flags in expected.items():
         ports = {int(flag_value(svc[role]["command"], f)) for f in flags}
@@ -315,16 +317,36 @@ def test_nodes_are_probed_on_health_and_drain_within_the_grace_period(name):
 
 @pytest.mark.parametrize("name", OVERLAYS)
 def test_router_is_probed_without_waiting_for_nodes(name):
-    """Nodes reach the control socket through the router's Service, which lists only ready pods:
-    a readiness probe on /health (200 once nodes registered) would never let them in."""
+    """Clients reach a router through its Service, which lists only ready pods: a readiness probe
+    on /health (200 once nodes registered) would keep a replica the nodes have not found yet out."""
     objs = overlay(name)
     c, args = container(objs, "router"), parsed_args(objs, "router")
     for probe in ("readinessProbe", "livenessProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] != "/health", probe
         assert resolve_port(c, get["port"]) == args.port, probe
-    assert deployment(objs, "router")["spec"]["replicas"] == 1
-    assert deployment(objs, "router")["spec"]["strategy"]["type"] == "Recreate"
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_router_replicas_are_all_found_by_every_node(name):
+    """Router scale-out: several replicas, one process each (--api-server-count 1, scraped one by
+    one); the nodes name the headless Service, whose DNS name resolves to every router pod, ready
+    or not (a router is healthy only once nodes registered with it), so each node registers with
+    each replica; rolling updates bring the new replica up before an old one stops."""
+    objs = overlay(name)
+    router = deployment(objs, "router")["spec"]
+    assert router["replicas"] >= 2
+    assert router["strategy"]["type"] == "RollingUpdate" and router["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert parsed_args(objs, "router").api_server_count == 1
+    headless = objects(objs, "Service")[ROUTER_NODES_SERVICE]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+    for role in NODE_ROLES:
+        args = parsed_args(objs, role)
+        assert args.router == [f"tcp://{ROUTER_NODES_SERVICE}:5555"] and args.api_server_count == 1, role
+        assert args.router_refresh_s > 0, role  # replicas that come later are found
+    (pdb,) = [p for p in objects(objs, "PodDisruptionBudget").values()
+              if selects(p["spec"]["selector"], pod_labels(objs, "router"))]
+    assert pdb["spec"]["maxUnavailable"] == 1
 
 
 @pytest.mark.parametrize("name", OVERLAYS)

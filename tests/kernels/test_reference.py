@@ -327,3 +327,19 @@ def test_paged_attention_rejects_bad_out_maxima_and_backend(monkeypatch):
         paged_attention(*batch.args(), backend="triton")
     with pytest.raises(ValueError, match="unknown kernel backend"):
         paged_attention(*batch.args(), backend="cuda")
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_speculative_verification_queries_are_batched_and_exact(monkeypatch, chunk_bytes):
+    # Short queries over cached context (the last token plus k drafts), several of one length,
+    # next to decodes, a prefill and a lone short query; a tiny budget splits the batches.
+    if chunk_bytes is not None:
+        monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", chunk_bytes)
+    q_lens = [4, 4, 1, 4, 3, 12, 3, 5, 4]
+    seq_lens = [20, 4 + 16, 9, 33, 7, 12, 64, 40, 5]
+    assert_matches_naive(make_batch(q_lens, seq_lens, block_size=8, num_heads=6, num_kv_heads=2))
+    calls = []
+    monkeypatch.setattr(reference, "_attend_one_prefill", lambda *a: calls.append(a[5]) or None)
+    monkeypatch.setattr(reference, "_attend_short_queries", lambda *a: calls.append(tuple(a[5])))
+    paged_attention(*make_batch(q_lens, seq_lens, block_size=8).args())
+    assert sorted(calls, key=str) == sorted([5, (0, 1, 3, 8), (4, 6), (7,)], key=str)

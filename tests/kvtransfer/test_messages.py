@@ -1,5 +1,6 @@
 """Every wire message round-trips through msgpack; anything malformed is refused with
-MessageError (never another exception), before or after parsing."""
+MessageError (never another exception), before or after parsing. Valid messages take the fast
+decoder (msgspec); whatever it refuses, the slow one judges, and both agree."""
 
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ EXAMPLES = [
                      decode_node_id="d0", decode_kv_addr="tcp://127.0.0.1:5", priority=1, arrival_time=1.5),
     m.FirstToken(request_id="r1", token_id=9, logprobs={9: -0.5}, finish_reason="length", num_prompt_tokens=3,
                  num_cached_tokens=0, queued_s=0.1, prefill_s=0.2),
-    TOKEN,
-    m.TokenBatch(node_id="d0", tokens=[TOKEN, dataclasses.replace(TOKEN, index=4, finish_reason="stop")]),
+    m.TokenBatch.from_tokens("d0", [TOKEN, dataclasses.replace(TOKEN, index=4, logprobs=None, finish_reason="stop")]),
     m.Abort(request_id="r1", reason="client gone"),
     m.Error(request_id="r1", node_id="d0", message="boom", retryable=True),
     LAYOUT,
@@ -84,7 +84,8 @@ def test_garbage_never_raises_anything_but_message_error(data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["type", "version", "request_id", "tokens", "node_id", "layout"]),
+@given(st.dictionaries(st.sampled_from(["type", "version", "request_id", "request_ids", "indexes", "token_ids",
+                                        "finish_reasons", "logprobs", "node_id", "layout"]),
                        st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1), st.text(max_size=5), st.lists(st.integers(-(2**31), 2**31), max_size=3),
                                  st.sampled_from(list(m.MESSAGE_TYPES)), st.just(1)), max_size=6))
 def test_structured_garbage_never_raises_anything_but_message_error(obj):
@@ -92,3 +93,72 @@ def test_structured_garbage_never_raises_anything_but_message_error(obj):
         m.decode(msgpack.packb(obj))
     except m.MessageError:
         pass
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda e: type(e).TYPE)
+def test_valid_messages_take_the_fast_path(msg, monkeypatch):
+    def slow(data):
+        raise AssertionError("the slow decoder ran on a valid message")
+
+    monkeypatch.setattr(m, "_decode_slow", slow)
+    assert m.decode(msg.encode()) == msg
+
+
+def test_token_batch_columns_round_trip_to_tokens():
+    tokens = [m.Token("a", 1, 5), m.Token("b", 7, 6, None, "length")]
+    batch = m.TokenBatch.from_tokens("d0", tokens)
+    assert batch.logprobs == []  # no token carries logprobs: no column
+    assert m.decode(batch.encode()).tokens() == tokens
+    with_lp = m.TokenBatch.from_tokens("d0", [*tokens, m.Token("c", 0, 9, {9: -0.5, 3: -1.0})])
+    assert m.decode(with_lp.encode()).tokens()[2].logprobs == {9: -0.5, 3: -1.0}
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.update(indexes=[1]), "different lengths"),
+    (lambda d: d.update(logprobs=[None]), "logprobs column"),
+    (lambda d: d.update(token_ids=[1, True]), "expected int"),
+    (lambda d: d.update(finish_reasons=[None, 3]), "expected str"),
+    (lambda d: d.update(request_ids=[b"a", "b"]), "expected str"),
+    (lambda d: d.update(logprobs=[None, [1]]), "expected dict"),
+    (lambda d: d.pop("indexes"), "missing field"),
+])
+def test_malformed_token_batches_are_refused(mutate, match):
+    batch = m.TokenBatch.from_tokens("d0", [m.Token("a", 1, 5), m.Token("b", 2, 6)])
+    wire = msgpack.unpackb(batch.encode(), strict_map_key=False)
+    mutate(wire)
+    with pytest.raises(m.MessageError, match=match):
+        m.decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_a_nested_message_of_the_wrong_type_is_refused():
+    wire = msgpack.unpackb(m.Handshake(node_id="p0", layout=LAYOUT).encode(), strict_map_key=False)
+    wire["layout"] = msgpack.unpackb(m.KVPull(request_id="r1").encode())
+    with pytest.raises(m.MessageError, match="expected kv_layout"):
+        m.decode(msgpack.packb(wire))
+    wire["layout"] = {**msgpack.unpackb(LAYOUT.encode()), "version": 99}
+    with pytest.raises(m.MessageError, match="protocol version"):
+        m.decode(msgpack.packb(wire))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["type", "version", "node_id", "request_ids", "indexes", "token_ids",
+                                        "finish_reasons", "logprobs"]),
+                       st.one_of(st.just("token_batch"), st.just(m.PROTOCOL_VERSION), st.text(max_size=3),
+                                 st.lists(st.one_of(st.none(), st.integers(-5, 5), st.booleans(), st.text(max_size=2),
+                                                    st.dictionaries(st.integers(0, 3), st.floats(allow_nan=False), max_size=2)),
+                                          max_size=3)),
+                       max_size=8))
+def test_the_fast_decoder_accepts_nothing_the_slow_one_refuses(obj):
+    data = msgpack.packb({"type": "token_batch", "version": m.PROTOCOL_VERSION, **obj})
+    try:
+        fast = m.decode(data)
+    except m.MessageError:
+        return
+    assert m._decode_slow(data) == fast
+
+
+def test_a_list_past_the_element_limit_is_refused(monkeypatch):
+    monkeypatch.setattr(m, "MAX_TOKENS_PER_MESSAGE", 1000)  # the fast decoder has no such limit itself
+    batch = m.TokenBatch.from_tokens("d0", [m.Token(f"r{i}", 1, 5) for i in range(1200)])
+    with pytest.raises(m.MessageError, match="not msgpack"):
+        m.decode(batch.encode())

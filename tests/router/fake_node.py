@@ -185,8 +185,8 @@ class FakeNode:
             return
         if self.reverse_order:
             for token in reversed(tokens):
-                await self.send(TokenBatch(self.node_id, [token]))
+                await self.send(TokenBatch.from_tokens(self.node_id, [token]))
             return
         for token in tokens:
             await asyncio.sleep(self.token_delay_s)
-            await self.send(TokenBatch(self.node_id, [token]))
+            await self.send(TokenBatch.from_tokens(self.node_id, [token]))

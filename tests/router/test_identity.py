@@ -80,7 +80,7 @@ def test_refused_peers_are_counted_by_reason_and_get_nothing(tokenizer, tmp_path
                 node = CurveNode(name, "both", keys=stranger_keys, heartbeat_interval_s=0.02)
                 try:
                     await node.start(h.router.control_addr)
-                    await node.send(TokenBatch(name, [Token("cmpl-x", 1, 5)]))
+                    await node.send(TokenBatch.from_tokens(name, [Token("cmpl-x", 1, 5)]))
                     await wait_until(lambda r=reasons, b=before: any(refusals(h.router)[x] > b[x] for x in r),
                                      what=f"{name} counted as one of {reasons}")
                     status, body = await h.post("/v1/completions", BODY)  # served by the nodes with the keys
@@ -125,7 +125,7 @@ def test_a_node_id_is_bound_to_the_key_it_registered_with(tokenizer, tmp_path):
                 await impostor.start(h.router.control_addr)
                 await shadow.start(h.router.control_addr)
                 for node in (impostor, shadow):  # tokens and an error under p0's id, for p0's request
-                    await node.send(TokenBatch("p0", [Token(wire_id, 1, 99, finish_reason="stop")]))
+                    await node.send(TokenBatch.from_tokens("p0", [Token(wire_id, 1, 99, finish_reason="stop")]))
                 status, body = await task
                 assert status == 200, body
                 assert 99 not in body["choices"][0].get("token_ids", [])

@@ -3,6 +3,7 @@ errors are counted by status; TTFT stages add up to TTFT."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -127,3 +128,29 @@ def test_error_and_finish_series_exist_before_any_request():
         assert ("pdserve_request_errors_total", frozenset({("code", code)})) in m
     for reason in ("stop", "length", "abort"):
         assert m[("pdserve_request_success_total", frozenset({("finished_reason", reason)}))] == 0
+
+
+def test_bulk_histogram_exports_what_a_prometheus_histogram_would():
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from pdserve.router.metrics import TOKEN_BUCKETS, BulkHistogram
+
+    reference_registry, bulk_registry = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram("x_seconds", "doc", registry=reference_registry, buckets=TOKEN_BUCKETS)
+    bulk = BulkHistogram("x_seconds", "doc", TOKEN_BUCKETS)
+    bulk_registry.register(bulk)
+    rng = random.Random(0)
+    values = [rng.choice([0.0, 0.001, 0.0025, 80.0, 1e9, rng.random(), rng.random() * 10]) for _ in range(2000)]
+    for v in values:
+        reference.observe(v)
+    bulk.observe_many(values[:700])
+    bulk.observe_many(values[700:])
+
+    def lines(registry):
+        return [line for line in generate_latest(registry).decode().splitlines()
+                if "_created" not in line and "_sum" not in line]
+
+    assert lines(bulk_registry) == lines(reference_registry)
+    assert value(samples(generate_latest(bulk_registry).decode()), "x_seconds_sum") == pytest.approx(sum(values))

@@ -99,3 +99,47 @@ def test_fail_and_abort_end_the_request_once(tokenizer):
     assert req.receive(Token("r", 0, 70, None, "length")) is None
     other = make(tokenizer)
     assert other.abort() and other.status is RouterRequestStatus.ABORTED and other.timing.finished is not None
+
+
+def _delta_view(d) -> tuple:
+    return d.text, d.token_ids, d.finish_reason, [(e.token_id, e.token, e.logprob, e.top) for e in d.logprobs]
+
+
+def test_a_batch_delivers_as_its_tokens_one_by_one_would(tokenizer):
+    """Several tokens of one request in one batch (in order, shuffled, duplicated, past the end,
+    around a stop string), mixed with other requests: each request's batch delta is what its
+    tokens one by one give, merged."""
+    from pdserve.router.request_state import receive_batch
+
+    text = "ab stop cd ☕ naïve"
+    for seed in range(8):
+        rng = random.Random(seed)
+        params = dict(max_tokens=14, stop=["stop"] if seed % 2 else [], logprobs=1 if seed % 3 == 0 else None)
+        one, batched = [make(tokenizer, **params) for _ in range(2)], [make(tokenizer, **params) for _ in range(2)]
+        streams = []
+        for r in range(2):
+            tokens = [Token("r", t.index, t.token_id, {t.token_id: -0.5} if params["logprobs"] else None,
+                            t.finish_reason) for t in tokens_for(tokenizer, text[r:])]
+            tokens += [tokens[rng.randrange(len(tokens))], Token("r", 99, 5)]  # a duplicate, past max_tokens
+            streams.append(tokens)
+        while any(streams):
+            batch = []
+            for r in range(2):
+                k = rng.randint(0, 3)
+                take, streams[r] = streams[r][:k], streams[r][k:]
+                rng.shuffle(take)
+                batch += [(r, t) for t in take]
+            rng.shuffle(batch)
+            expected = {}
+            for r, t in batch:
+                d = one[r].receive(t)
+                if d is not None:
+                    prev = expected.get(r)
+                    expected[r] = d if prev is None else type(d)(prev.text + d.text, prev.token_ids + d.token_ids,
+                                                                  prev.logprobs + d.logprobs,
+                                                                  d.finish_reason or prev.finish_reason)
+            got = receive_batch([(batched[r], t) for r, t in batch])
+            assert {batched.index(req): _delta_view(d) for req, d in got.items()} == \
+                {r: _delta_view(d) for r, d in expected.items()}
+        for a, b in zip(one, batched):
+            assert (a.output_token_ids, a.status, a.finish_reason) == (b.output_token_ids, b.status, b.finish_reason)

@@ -1,0 +1,266 @@
+"""How many tokens per second one router process can carry, and what it does past that.
+
+A real router process (`python -m pdserve.router`, what `pdserve router` runs) pinned to one core
+(`--router-cpu`), fake prefill and decode nodes that produce real SmolLM2 token ids as fast as
+asked (router_capacity_fleet.py), and a cheap load client (router_capacity_client.py), both pinned
+to another core (`--load-cpu`). The router alone is the bottleneck; each run checks that the load
+core was not (its busy share is reported, and figures taken with it above 90% are flagged).
+
+    ceiling, streamed      `--streams` streams (started evenly over the warm-up); each probe runs
+                           the decode fake at a per-stream rate (x1.25 per probe) until the router
+                           stops keeping up: client tok/s below 90% of the offered rate, a 429, or
+                           a p99 inter-token gap past 0.5 s (if the start rate is already too
+                           much, it goes down first). The ceiling is the best client tok/s of a
+                           probe that kept up.
+    ceiling, not streamed  the same with "stream": false (tokens counted from usage).
+    time per token         the router's CPU time per token, and its own split by stage (decode,
+                           detokenize, sse, write) from its /metrics, at the streamed ceiling.
+    overload               twice the streams at the ceiling's per-stream rate (2x the ceiling
+                           offered) for `--overload-s` (300 for the 5-minute check), the first
+                           third (at most 10 s) as warm-up: p99 gap of the accepted streams, 429s,
+                           client tok/s, router RSS every second (growth counted after warm-up).
+
+    python -m benchmarks.router_capacity --json benchmarks/results/router_capacity.json
+    python -m benchmarks.router_capacity --overload-s 300     # the 5-minute RSS check
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from benchmarks.router_capacity_client import LoadClient
+from benchmarks.router_capacity_fleet import MODEL, corpus_token_ids, run_fleet
+from pdserve.bench.json_out import report
+
+STAGES = ("decode", "detokenize", "sse", "write")
+KEEP_UP = 0.9  # a probe kept up when clients got this share of the tokens offered
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, default=256)
+    p.add_argument("--probe-s", type=float, default=8.0, help="seconds per probe (the first 2 are warm-up)")
+    p.add_argument("--start-rate", type=float, default=40.0, help="tokens/s per stream of the first probe")
+    p.add_argument("--overload-s", type=float, default=30.0)
+    p.add_argument("--router-cpu", type=int, default=0)
+    p.add_argument("--load-cpu", type=int, default=1)
+    p.add_argument("--overload-rate", type=float, default=None,
+                   help="tokens/s per stream of the overload run (default: the streamed ceiling's)")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: stream,nostream,overload")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.loader import resolve_model
+
+    corpus = corpus_token_ids(AutoTokenizer.from_pretrained(resolve_model(MODEL)))
+    os.sched_setaffinity(0, {args.load_cpu})
+    bench = Bench(args, corpus)
+    try:
+        result = bench.run()
+    finally:
+        bench.close()
+    report(result, args.json)
+    print(table(result), file=sys.stderr)
+    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Bench:
+    def __init__(self, args, corpus: list[int]) -> None:
+        self.args, self.corpus = args, corpus
+        self.port, control_port = _free_port(), _free_port()
+        self.control_addr = f"tcp://127.0.0.1:{control_port}"
+        self.router = subprocess.Popen(
+            ["taskset", "-c", str(args.router_cpu), sys.executable, "-m", "pdserve.router", "--model", MODEL,
+             "--port", str(self.port), "--control-addr", self.control_addr, "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL)
+        ctx = multiprocessing.get_context("fork")
+        self.rate, self.stop = ctx.Value("d", args.start_rate), ctx.Event()
+        self.fleet = ctx.Process(target=run_fleet, args=(self.control_addr, corpus, self.rate, self.stop),
+                                 kwargs={"cpu": args.load_cpu}, daemon=True)
+        self.fleet.start()
+        self._wait_healthy()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.fleet.join(10)
+        if self.fleet.is_alive():
+            self.fleet.kill()
+        self.router.terminate()
+        try:
+            self.router.wait(10)
+        except subprocess.TimeoutExpired:
+            self.router.kill()
+            self.router.wait()
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except OSError:
+            return 0, b""
+
+    def _wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._get("/health")[0] != 200:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"the router exited with {self.router.returncode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the router never became healthy")
+            time.sleep(0.2)
+
+    def _metrics(self) -> dict[str, float]:
+        text = self._get("/metrics")[1].decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r'(pdserve_router_\w+?)(?:\{stage="(\w+)"\})? ([0-9.e+-]+)$', line)
+            if m:
+                out[m.group(1) + (":" + m.group(2) if m.group(2) else "")] = float(m.group(3))
+        return out
+
+    def _settle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the router has no request in flight and no in-flight limit left from a probe."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = self._metrics()
+            if m.get("pdserve_router_in_flight_limit", 0) == 0 and m.get("pdserve_router_control_backlog", 0) == 0:
+                text = self._get("/metrics")[1].decode()
+                running = re.search(r"^pdserve_num_requests_running ([0-9.e+]+)$", text, re.M)
+                if running and float(running.group(1)) == 0:
+                    return
+            time.sleep(0.5)
+
+    def _cpu_s(self, pid: int) -> float:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _rss_mb(self) -> float:
+        for line in open(f"/proc/{self.router.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    def probe(self, streams: int, rate: float, stream: bool, duration_s: float, on_tick=None,
+              warm_s: float | None = None) -> dict:
+        """One run at `rate` tokens/s per stream; what the clients got, and what it cost."""
+        self._settle()
+        self.rate.value = rate
+        max_tokens = max(32, int(rate * (4 if stream else 2)))  # streams of ~4 s, bodies of ~2 s
+        client = LoadClient("127.0.0.1", self.port, model=MODEL, prompt_token_ids=self.corpus[:32],
+                            max_tokens=max_tokens, stream=stream)
+        warm_s = min(3.0, duration_s / 3) if warm_s is None else warm_s
+        before = self._metrics()
+        cpu0 = (self._cpu_s(self.router.pid), time.process_time(), self._cpu_s(self.fleet.pid))
+        t0 = time.monotonic()
+        stats = client.run(streams, duration_s, measure_from_s=warm_s, on_tick=on_tick, ramp_s=warm_s * 2 / 3)
+        wall = time.monotonic() - t0
+        cpu1 = (self._cpu_s(self.router.pid), time.process_time(), self._cpu_s(self.fleet.pid))
+        after = self._metrics()
+        measured_s = duration_s - warm_s
+        tok_s = stats.tokens / measured_s
+        offered = streams * rate
+        router_cpu = cpu1[0] - cpu0[0]
+        split = {s: _per_token_us(before, after, s) for s in STAGES}
+        return {"streams": streams, "rate_per_stream": rate, "offered_tok_s": offered, "client_tok_s": tok_s,
+                "kept_up": (tok_s >= KEEP_UP * offered and stats.refused_429 == 0 and stats.errors == 0
+                            and stats.gap_quantile_s(0.99) <= 0.5),
+                "refused_429": stats.refused_429, "errors": stats.errors, "requests_done": stats.requests_done,
+                "p50_gap_s": stats.gap_quantile_s(0.5), "p99_gap_s": stats.gap_quantile_s(0.99),
+                "router_cpu_share": router_cpu / wall, "load_cpu_share": (cpu1[1] - cpu0[1] + cpu1[2] - cpu0[2]) / wall,
+                "router_cpu_us_per_token": router_cpu / max(1, stats.tokens * wall / measured_s) * 1e6,
+                "stage_us_per_token": split, "max_tokens": max_tokens}
+
+    def ceiling(self, stream: bool) -> dict:
+        """Probe up by 1.25x while the router keeps up; if it does not at the start rate, down
+        first until it does."""
+        rate, probes, step = self.args.start_rate, [], None
+        while len(probes) < 20:
+            result = self.probe(self.args.streams, rate, stream, self.args.probe_s)
+            probes.append(result)
+            print(f"{'stream' if stream else 'no-stream'} rate {rate:.0f}/s/stream: {result['client_tok_s']:.0f} "
+                  f"tok/s, kept up: {result['kept_up']}, router cpu {result['router_cpu_share']:.2f}, "
+                  f"load cpu {result['load_cpu_share']:.2f}", file=sys.stderr)
+            if step is None:
+                step = 1.25 if result["kept_up"] else 1 / 1.25
+            if (step > 1) != result["kept_up"] or rate < 1:
+                break  # up: the first failure; down: the first success
+            rate *= step
+        kept = [p for p in probes if p["kept_up"]]
+        best = max(kept, key=lambda p: p["client_tok_s"]) if kept else None
+        return {"ceiling_tok_s": best["client_tok_s"] if best else 0.0, "at": best,
+                "saturated_tok_s": max(p["client_tok_s"] for p in probes), "probes": probes}
+
+    def overload(self, rate: float) -> dict:
+        rss: list[tuple[float, float]] = []
+        t0 = time.monotonic()
+
+        def tick() -> None:
+            rss.append((round(time.monotonic() - t0, 1), round(self._rss_mb(), 1)))
+
+        warm_s = min(10.0, self.args.overload_s / 3)
+        result = self.probe(2 * self.args.streams, rate, True, self.args.overload_s, on_tick=tick, warm_s=warm_s)
+        tail = [mb for t, mb in rss if t >= warm_s]
+        result.update(rss_mb=rss, rss_growth_mb=(tail[-1] - tail[0]) if len(tail) > 1 else 0.0)
+        return result
+
+    def run(self) -> dict:
+        skip = set(filter(None, self.args.skip.split(",")))
+        out: dict = {"args": vars(self.args), "cpus": os.cpu_count(), "router_rss_start_mb": self._rss_mb()}
+        if "stream" not in skip:
+            out["streamed"] = self.ceiling(stream=True)
+        if "nostream" not in skip:
+            out["not_streamed"] = self.ceiling(stream=False)
+        at = (out.get("streamed") or {}).get("at")
+        rate = self.args.overload_rate or (at or {}).get("rate_per_stream")
+        if "overload" not in skip and rate:
+            out["overload"] = self.overload(rate)
+        return out
+
+
+def _per_token_us(before: dict, after: dict, stage: str) -> float:
+    seconds = after.get(f"pdserve_router_token_stage_seconds_total:{stage}", 0) - before.get(
+        f"pdserve_router_token_stage_seconds_total:{stage}", 0)
+    tokens = after.get(f"pdserve_router_token_stage_tokens_total:{stage}", 0) - before.get(
+        f"pdserve_router_token_stage_tokens_total:{stage}", 0)
+    return seconds / tokens * 1e6 if tokens else 0.0
+
+
+def table(result: dict) -> str:
+    rows = ["| mode | streams | client tok/s | router µs/token | load core busy |", "| --- | ---: | ---: | ---: | ---: |"]
+    for key, name in (("streamed", "streaming"), ("not_streamed", "non-streaming")):
+        at = (result.get(key) or {}).get("at")
+        if at:
+            rows.append(f"| {name} (ceiling) | {at['streams']} | {at['client_tok_s']:,.0f} | "
+                        f"{at['router_cpu_us_per_token']:.1f} | {at['load_cpu_share']:.0%} |")
+    at = (result.get("streamed") or {}).get("at")
+    if at:
+        split = ", ".join(f"{s} {at['stage_us_per_token'][s]:.1f}" for s in STAGES)
+        rows.append(f"\nper-token split at the streamed ceiling (µs): {split}")
+    ov = result.get("overload")
+    if ov:
+        rows.append(f"overload (2x: {ov['streams']} streams at {ov['rate_per_stream']:.0f} tok/s each): "
+                    f"{ov['client_tok_s']:,.0f} tok/s, p99 gap {ov['p99_gap_s'] * 1000:.0f} ms, "
+                    f"{ov['refused_429']} x 429, RSS {ov['rss_mb'][0][1] if ov['rss_mb'] else 0:.0f} -> "
+                    f"{ov['rss_mb'][-1][1] if ov['rss_mb'] else 0:.0f} MB (growth after warm-up "
+                    f"{ov['rss_growth_mb']:+.1f} MB)")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The router's own saturation, and when it sheds new work instead of stalling the streams it has.
+
+One process runs the control loop (router/control.py: node messages, tokens) and every HTTP
+handler (router/app.py: writing events to clients) on one event loop. When that loop has more to
+do than it can, nothing fails: everything just runs later, and every stream's gaps grow together.
+Two signals tell it early:
+
+    loop lag         how late a timer fires (a probe sleeps PROBE_INTERVAL_S and measures the
+                     overshoot); the HTTP side waits that long for its turn
+    control backlog  how long the oldest node message read off the socket has waited for its
+                     turn (ControlSocket.backlog_age_s); tokens reach clients that much later
+
+Each probe samples both; the router counts as overloaded when every one of the last SUSTAINED
+probes saw one of them past `max_lag_s` (a burst of new requests handled in one turn delays one
+probe, not three), or when the loop has been stuck in one turn for STALL_S.
+
+When overloaded, new requests get a 429 with Retry-After (`admit`) and the number of requests in
+flight becomes a limit: 90% of those in flight when the overload is first seen, lowered by 10%
+once per DECREASE_EVERY_S while it lasts (requests end, the load falls, the backlog drains). Once
+the loop has been calm for CALM_S the limit rises by 1% per probe (at least one request) until it
+no longer binds. Requests already accepted are never shed: the point is that their streams keep
+flowing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+DEFAULT_MAX_LAG_S = 0.1  # a 429 once the loop or the control backlog is this late
+PROBE_INTERVAL_S = 0.05
+CALM_S = 1.0  # no overload for this long before the in-flight limit rises again
+DECREASE_EVERY_S = 1.0  # the limit falls by 10% at most this often while the overload lasts
+LAG_WINDOW_S = 1.0  # /metrics shows the worst lag of this window
+SUSTAINED = 3  # probes in a row past max_lag_s make an overload
+STALL_S = 0.5  # or one turn of the loop this long (no probe has run for it)
+
+
+class Saturation:
+    def __init__(self, backlog_age_s: Callable[[], float], *, max_lag_s: float | None = DEFAULT_MAX_LAG_S,
+                 on_lag: Callable[[float], None] = lambda lag: None) -> None:
+        self.backlog_age_s = backlog_age_s
+        self.max_lag_s = max_lag_s  # None: never shed
+        self.on_lag = on_lag  # every probe's lag (the metrics' histogram)
+        self.limit: float | None = None  # requests in flight allowed while recovering (None: no limit)
+        self._probes: list[tuple[float, float, float]] = []  # (when, lag, backlog age) within LAG_WINDOW_S
+        self._last_probe: float | None = None  # None: the probe is not running
+        self._last_overload = -1e9
+        self._last_decrease = -1e9
+
+    def loop_lag_s(self) -> float:
+        """The worst lag of the last LAG_WINDOW_S, or how overdue the next probe is if that is worse
+        (a loop stuck in one long turn has no probe to show for it yet)."""
+        now = time.monotonic()
+        overdue = now - self._last_probe - PROBE_INTERVAL_S if self._last_probe is not None else 0.0
+        recent = max((lag for when, lag, _ in self._probes if now - when <= LAG_WINDOW_S), default=0.0)
+        return max(recent, overdue, 0.0)
+
+    def _stalled_s(self) -> float:
+        return time.monotonic() - self._last_probe - PROBE_INTERVAL_S if self._last_probe is not None else 0.0
+
+    def overload(self) -> str | None:
+        """Why the router is overloaded now ("loop_lag", "control_backlog"), or None."""
+        limit = self.max_lag_s
+        if limit is None:
+            return None
+        if self._stalled_s() > max(STALL_S, limit):
+            return "loop_lag"
+        last = self._probes[-SUSTAINED:]
+        if len(last) < SUSTAINED:
+            return None
+        if all(lag > limit for _, lag, _ in last):
+            return "loop_lag"
+        if all(max(lag, age) > limit for _, lag, age in last):
+            return "control_backlog"
+        return None
+
+    def admit(self, num_in_flight: int) -> str | None:
+        """None to take a new request, else why not ("loop_lag", "control_backlog", "in_flight_limit")."""
+        reason = self.overload()
+        if reason is not None:
+            now = self._last_overload = time.monotonic()
+            if self.limit is None:
+                self.limit, self._last_decrease = max(1.0, 0.9 * num_in_flight), now
+            elif now - self._last_decrease >= DECREASE_EVERY_S:
+                self.limit, self._last_decrease = max(1.0, 0.9 * min(self.limit, num_in_flight)), now
+            return reason
+        if self.limit is not None and num_in_flight >= self.limit:
+            return "in_flight_limit"
+        return None
+
+    async def probe_loop(self) -> None:
+        """Measure the loop's lag every PROBE_INTERVAL_S, until cancelled."""
+        self._last_probe = time.monotonic()
+        try:
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(PROBE_INTERVAL_S)
+                now = time.monotonic()
+                self.record(now, max(0.0, now - before - PROBE_INTERVAL_S))
+        finally:
+            self._last_probe = None
+
+    def record(self, now: float, lag: float) -> None:
+        """One probe: the loop ran its timer `lag` seconds late (monotonic `now`)."""
+        self._last_probe = now
+        self._probes = [p for p in self._probes if now - p[0] <= LAG_WINDOW_S]
+        self._probes.append((now, lag, self.backlog_age_s()))
+        self.on_lag(lag)
+        self._relax(now)
+
+    def _relax(self, now: float) -> None:
+        if self.limit is None or now - self._last_overload < CALM_S or self.overload() is not None:
+            return
+        self.limit += max(1.0, 0.01 * self.limit)
+        if self.limit > 1e6:
+            self.limit = None
