@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--probe-s", type=float, default=8.0, help="seconds per probe (the first 2 are warm-up)")
-    p.add_argument("--start-rate", type=float, default=40.0, help="tokens/s per stream of the first probe")
+    p.add_argument("--start-rate", type=float, default=100.0, help="tokens/s per stream of the first probe")
     p.add_argument("--overload-s", type=float, default=30.0)
     p.add_argument("--router-cpu", type=int, default=0)
     p.add_argument("--load-cpu", type=int, default=1)
@@ -216,7 +216,9 @@ class Bench:
         warm_s = min(10.0, self.args.overload_s / 3)
         result = self.probe(2 * self.args.streams, rate, True, self.args.overload_s, on_tick=tick, warm_s=warm_s)
         tail = [mb for t, mb in rss if t >= warm_s]
-        result.update(rss_mb=rss, rss_growth_mb=(tail[-1] - tail[0]) if len(tail) > 1 else 0.0)
+        second_half = [mb for t, mb in rss if t >= self.args.overload_s / 2]
+        result.update(rss_mb=rss, rss_growth_mb=(tail[-1] - tail[0]) if len(tail) > 1 else 0.0,
+                      rss_growth_second_half_mb=(second_half[-1] - second_half[0]) if len(second_half) > 1 else 0.0)
         return result
 
     def run(self) -> dict:
@@ -246,8 +248,9 @@ def table(result: dict) -> str:
     for key, name in (("streamed", "streaming"), ("not_streamed", "non-streaming")):
         at = (result.get(key) or {}).get("at")
         if at:
+            flag = " (saturated: a lower bound)" if at["load_cpu_share"] > 0.9 else ""
             rows.append(f"| {name} (ceiling) | {at['streams']} | {at['client_tok_s']:,.0f} | "
-                        f"{at['router_cpu_us_per_token']:.1f} | {at['load_cpu_share']:.0%} |")
+                        f"{at['router_cpu_us_per_token']:.1f} | {at['load_cpu_share']:.0%}{flag} |")
     at = (result.get("streamed") or {}).get("at")
     if at:
         split = ", ".join(f"{s} {at['stage_us_per_token'][s]:.1f}" for s in STAGES)
@@ -258,7 +261,7 @@ def table(result: dict) -> str:
                     f"{ov['client_tok_s']:,.0f} tok/s, p99 gap {ov['p99_gap_s'] * 1000:.0f} ms, "
                     f"{ov['refused_429']} x 429, RSS {ov['rss_mb'][0][1] if ov['rss_mb'] else 0:.0f} -> "
                     f"{ov['rss_mb'][-1][1] if ov['rss_mb'] else 0:.0f} MB (growth after warm-up "
-                    f"{ov['rss_growth_mb']:+.1f} MB)")
+                    f"{ov['rss_growth_mb']:+.1f} MB, in the second half {ov['rss_growth_second_half_mb']:+.1f} MB)")
     return "\n".join(rows)
 
 

@@ -6,8 +6,10 @@
     handlers.py          one handler per node message (Register, Heartbeat, ..., Error)
     redispatch.py        re-dispatch of a request whose node died, parking until a node is ready
     monitor.py           periodic checks: heartbeat expiry, request deadlines, lost requests
+    saturation.py        the router's own load (loop lag, control backlog) and shedding it with 429s
     registry.py          live nodes and the routing policies
-    request_state.py     one request's states (RouterRequestStatus), timing, token re-sequencing
+    request_state.py     one request's states (RouterRequestStatus), timing, token re-sequencing,
+                         a step's tokens at once (receive_batch), the outbox the HTTP side reads
     openai_protocol.py   request validation → SamplingParams
     openai_errors.py     OpenAI error bodies and ProtocolError
     openai_responses.py  response bodies and stream chunks

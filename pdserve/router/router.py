@@ -9,6 +9,8 @@ object the HTTP side and the tests hold; its parts live in one file per concept:
     redispatch.py  re-dispatch of a request whose node died or whose KV transfer failed, parking
                    until a node is ready
     monitor.py     the periodic checks: heartbeat expiry, request deadlines, lost requests
+    saturation.py  the router's own load: event-loop lag, control backlog, and the 429s that shed
+                   new requests while it lags
     router.py      this file: lifecycle, the HTTP side's calls (parse, submit, release), and a
                    request's outcomes (delivered tokens, failure, aborts on the nodes)
 
