@@ -1,11 +1,14 @@
 """Fake prefill and decode nodes for benchmarks/router_capacity.py: the project's own wire messages
-and router links (node/router_link.py), no model, tokens as fast as asked.
+and router links (node/router_links.py), no model, tokens as fast as asked.
 
 A prefill fake answers each PrefillRequest with its FirstToken at once and hands the request to
 the decode fake it names (in process: the KV transfer is not what is measured). The decode fake
 steps every 1/rate seconds (`rate` is shared with the driver, so it can change between runs) and
 each step sends one TokenBatch with one token for every request it runs, as a real decode node
-does. The tokens are real: SmolLM2's token ids of real text (`corpus_token_ids`), each request
+does. With several router processes (`--api-server-count N`) both fakes link to all of them
+(node/router_links.py, as real nodes do): the prefill fake answers each request on the router it
+came from, the decode fake adopts that router for it (what a real decode node learns from the
+KVReady), and each TokenBatch is split per router. The tokens are real: SmolLM2's token ids of real text (`corpus_token_ids`), each request
 starting at its own offset, with finish_reason "length" at max_tokens. Heartbeats list the
 requests each fake holds, so the router neither aborts them nor thinks them lost.
 """
@@ -27,7 +30,8 @@ from pdserve.kvtransfer.messages import (
     Token,
     TokenBatch,
 )
-from pdserve.node.router_link import RouterLink
+from pdserve.node.router_discovery import RouterDiscovery
+from pdserve.node.router_links import RouterLinks
 
 MODEL = "smollm2"
 NUM_BLOCKS = 1_000_000  # the fakes never run out of KV
@@ -52,18 +56,21 @@ class _Running:
     next_index: int = 1  # index 0 was the prefill's FirstToken
 
 
-def run_fleet(router_addr: str, corpus: list[int], rate, stop, *, node_prefix: str = "fake",
-              cpu: int | None = None) -> None:
-    """Serve until `stop` (a multiprocessing Event) is set; `rate` (a multiprocessing Value) is the
-    decode steps per second, so tokens per second per stream."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+def run_fleet(router_addrs: list[str], corpus: list[int], rate, stop, *, node_prefix: str = "fake",
+              cpus: set[int] | None = None) -> None:
+    """Serve the routers at `router_addrs` until `stop` (a multiprocessing Event) is set; `rate` (a
+    multiprocessing Value) is the decode steps per second, so tokens per second per stream."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     common = dict(model=MODEL, num_total_blocks=NUM_BLOCKS, block_size=16, max_model_len=1 << 20,
                   pid=os.getpid(), max_num_seqs=MAX_NUM_SEQS)
     decode_id = f"{node_prefix}-d0"
-    prefill = RouterLink(router_addr, Register(node_id=f"{node_prefix}-p0", role="prefill", **common), heartbeat_s=0.5)
-    decode = RouterLink(router_addr, Register(node_id=decode_id, role="decode", kv_addr="tcp://127.0.0.1:1", **common),
-                        heartbeat_s=0.5)
+
+    def links(register: Register) -> RouterLinks:
+        return RouterLinks(RouterDiscovery(list(router_addrs), refresh_s=0), register, heartbeat_s=0.5)
+
+    prefill = links(Register(node_id=f"{node_prefix}-p0", role="prefill", **common))
+    decode = links(Register(node_id=decode_id, role="decode", kv_addr="tcp://127.0.0.1:1", **common))
     running: dict[str, _Running] = {}
     try:
         for link in (prefill, decode):
@@ -73,7 +80,7 @@ def run_fleet(router_addr: str, corpus: list[int], rate, stop, *, node_prefix: s
         while not stop.is_set():
             timeout_ms = max(0, int((next_step - time.monotonic()) * 1000))
             for msg in prefill.poll(timeout_ms):
-                _on_prefill_message(msg, prefill, running, corpus, decode_id)
+                _on_prefill_message(msg, prefill, decode, running, corpus, decode_id)
             for msg in decode.poll(0):
                 if isinstance(msg, Abort):
                     running.pop(msg.request_id, None)
@@ -89,13 +96,13 @@ def run_fleet(router_addr: str, corpus: list[int], rate, stop, *, node_prefix: s
             link.close()
 
 
-def _heartbeat(link: RouterLink, request_ids: list[str]) -> Heartbeat:
+def _heartbeat(link: RouterLinks, request_ids: list[str]) -> Heartbeat:
     return Heartbeat(node_id=link.register_msg.node_id, num_free_blocks=NUM_BLOCKS, num_total_blocks=NUM_BLOCKS,
                      num_running=len(request_ids), num_waiting=0, ready=True, request_ids=request_ids)
 
 
-def _on_prefill_message(msg, link: RouterLink, running: dict[str, _Running], corpus: list[int],
-                        decode_id: str) -> None:
+def _on_prefill_message(msg, link: RouterLinks, decode: RouterLinks, running: dict[str, _Running],
+                        corpus: list[int], decode_id: str) -> None:
     if not isinstance(msg, PrefillRequest):
         return  # an Abort before the hand-off: nothing is held here
     sampling = SamplingParams.from_dict(msg.sampling)
@@ -107,9 +114,10 @@ def _on_prefill_message(msg, link: RouterLink, running: dict[str, _Running], cor
                          finish_reason="length" if last else None, num_prompt_tokens=len(msg.prompt_token_ids)))
     if not last and msg.decode_node_id == decode_id:
         running[msg.request_id] = _Running(msg.request_id, offset, sampling.max_tokens, logprobs)
+        decode.adopt(msg.request_id, link.origin(msg.request_id))  # its tokens go back to its router
 
 
-def _step(link: RouterLink, running: dict[str, _Running], corpus: list[int]) -> None:
+def _step(link: RouterLinks, running: dict[str, _Running], corpus: list[int]) -> None:
     tokens, done = [], []
     n = len(corpus)
     for req in running.values():

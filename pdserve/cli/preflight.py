@@ -1,6 +1,6 @@
 """What `pdserve serve` checks before it starts anything: the flags it hands each role parse with
-that role's own parser and expose no socket without keys, and the router's HTTP port is free. Each check answers an error line (or
-None), so the command fails at once with one clear line instead of a crash loop minutes later."""
+that role's own parser and expose no socket without keys, a draft model in --speculative-config
+exists, and the router's HTTP port is free. Each check answers an error line (or None), so the command fails at once with one clear line instead of a crash loop minutes later."""
 
 from __future__ import annotations
 
@@ -60,6 +60,28 @@ def check_role_args(values: dict[str, str], curve_keys: str | None = None) -> st
             return f"{flag} {value!r}: {e}"
         except _ParseError as e:
             return f"{flag} {value!r}: {e} (see {command} --help)"
+        error = check_draft_model(getattr(parsed, "speculative_config", None))
+        if error:
+            return f"{flag} {value!r}: {error}"
+    return None
+
+
+def check_draft_model(speculative_config: str | None) -> str | None:
+    """An error line if `speculative_config` (the JSON of --speculative-config, already valid)
+    names a draft model that does not resolve (no such folder, not a model), else None: a decode
+    node would fail on it only once it loads, after the stack started."""
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return None
+    try:
+        resolve_model(spec.model)
+    except (ValueError, OSError) as e:
+        first = str(e).split(". ")[0].rstrip(".")  # the loader's first sentence names the problem
+        what = "draft m" + first[1:] if first.startswith("Model ") else f"draft model {spec.model!r}: {first}"
+        return f"--speculative-config: {what}"
     return None
 
 

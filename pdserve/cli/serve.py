@@ -33,7 +33,7 @@ import urllib.request
 import uuid
 
 from pdserve.cli.main import add_engine_args, engine_argv, resolve_model_verbosely
-from pdserve.cli.preflight import check_port_free, check_role_args
+from pdserve.cli.preflight import check_draft_model, check_port_free, check_role_args
 from pdserve.engine.loader import served_model_name
 
 
@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
     role_args = {"--prefill-args": args.prefill_args, "--decode-args": args.decode_args,
                  "--router-args": args.router_args}
-    error = check_role_args({flag: value for flag, value in role_args.items() if value}, args.zmq_curve_keys)
+    error = (check_role_args({flag: value for flag, value in role_args.items() if value}, args.zmq_curve_keys)
+             or check_draft_model(args.speculative_config))
     if error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2

@@ -37,6 +37,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
+from pdserve.router.choices import serve_choices
 from pdserve.router.openai_errors import ProtocolError, error_body
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
 from pdserve.router.openapi import openapi_spec
@@ -153,6 +154,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     fmt_cls = ChatFormat if kind == "chat" else CompletionFormat
     fmt = fmt_cls(request_id, router.served_model_name, include_usage=parsed.stream and parsed.include_usage,
                   top_logprobs=parsed.top_logprobs, return_token_ids=parsed.return_token_ids)
+    if parsed.sampling.n > 1:  # n choices from one prefill (router/choices.py)
+        return await serve_choices(request, router, request_id, parsed, fmt, _ClientWatch)
     req = await router.submit(request_id, parsed)
     try:
         if parsed.stream:

@@ -15,6 +15,7 @@ from pdserve.engine.loader import DEFAULT_MODEL_ALIAS, served_model_name
 from pdserve.kvtransfer.exposure import INSECURE_HELP, InsecureExposureError, check_or_warn, router_sockets
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S
 from pdserve.router.registry import DEFAULT_MAX_QUEUE
+from pdserve.router.saturation import DEFAULT_MAX_LAG_S
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="requests queued per node (beyond what it runs) before new ones get 429 + Retry-After "
                         "(default: %(default)s)")
+    p.add_argument("--max-lag", type=_seconds, default=DEFAULT_MAX_LAG_S, metavar="SECONDS",
+                   help="shed new requests (429 + Retry-After) once the router's own event loop or control backlog "
+                        "runs this late, so accepted streams keep flowing; 0 = never shed (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on all but /health, /metrics and /openapi.json "
                         "(default: $PDSERVE_API_KEY; unset = open)")
@@ -71,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DEBUG, INFO, WARNING or ERROR; /health and /metrics requests are logged at DEBUG "
                         "(default: %(default)s)")
     return p
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # nan is not either
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (0 or more)")
+    return seconds
 
 
 def load_tokenizer(model: str):
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                     control_addr=args.control_addr, heartbeat_timeout_s=args.heartbeat_timeout,
                     prefix_affinity=args.prefix_affinity, request_timeout_s=args.request_timeout or None,
                     max_retries=args.max_retries, retry_wait_s=args.retry_wait, max_queue=args.max_queue,
-                    curve=curve)
+                    max_lag_s=args.max_lag or None, curve=curve)
     app = create_app(router, api_key=args.api_key or None, instance_id=args.instance_id)
 
     name = "pdserve router" if args.api_server_index is None else f"pdserve router {args.api_server_index}"

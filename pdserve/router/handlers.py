@@ -155,6 +155,8 @@ class NodeMessages:
             req = self.requests.get(wire_id)
             if req is not None and wire_id in node.request_ids:
                 req.last_listed = now
+            elif req is None and self._group_listed(node.node_id, wire_id, now):
+                pass  # an n > 1 request before its fork stands for its choices (choices.py)
             elif req is None or node.node_id not in req.node_ids:
                 # Ended, re-dispatched, or from before a router restart: nobody wants its tokens.
                 await self._send(node, Abort(wire_id, "unknown to the router"))
@@ -210,6 +212,8 @@ class NodeMessages:
 
     async def _on_error(self, identity: bytes, msg: Error) -> None:
         req = self.requests.get(msg.request_id)
+        if req is None and await self._group_error(msg):  # an n > 1 request's: each choice (choices.py)
+            return
         if req is None or msg.node_id not in req.node_ids:
             return  # an earlier attempt's, or a stranger's
         if msg.retryable:

@@ -36,13 +36,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy default
 DEFAULT_CHAT_MAX_TOKENS = 1024  # chat has no default limit; used when no node declared max_model_len
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices per request (n); a node also refuses n above its max_num_seqs
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # msgpack (the wire) and vLLM's seed range
 # SamplingParams takes any repetition_penalty > 0, but far from 1 the float32 sampler turns logits
 # into inf and NaN (x / 1e-40, 0 * 1e39) and fails the whole batch; typical values are 0.5 to 2.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")
+                    "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "n")
 _JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object", list: "array"}
 
 
@@ -61,7 +62,7 @@ def _is_string_map(v: Any) -> bool:
 
 # Parameters pdserve does not implement, and the test that a value is neutral (a no-op).
 _NEUTRAL_COMMON: dict[str, Callable[[Any], bool]] = {
-    "n": _only(1), "logit_bias": _only({}), "user": _is_a(str), "store": _only(False),
+    "logit_bias": _only({}), "user": _is_a(str), "store": _only(False),
     "metadata": _is_string_map, "service_tier": _only("auto", "default")}
 _NEUTRAL_COMPLETION = {**_NEUTRAL_COMMON, "best_of": _only(1), "echo": _only(False), "suffix": _only("")}
 _NEUTRAL_CHAT = {**_NEUTRAL_COMMON, "tools": _only([]), "functions": _only([]), "tool_choice": _only("none"),
@@ -183,6 +184,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None) -> SamplingPara
         raise ProtocolError("stop_token_ids must be a list of non-negative integers", param="stop_token_ids")
     for name in ("top_k", "seed"):  # the engine would take any int; the wire takes int64
         _opt_int(values, name, None)
+    _opt_int(values, "n", None, lo=1, hi=MAX_N)
     penalty = _opt(values, "repetition_penalty", float, 1.0)
     if not MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY:
         raise ProtocolError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "

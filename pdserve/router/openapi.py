@@ -16,6 +16,7 @@ from pdserve.router.openai_protocol import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
 )
@@ -63,7 +64,7 @@ _COMMON: dict[str, Schema] = {
     "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _nullable(_BOOL)}},
     "return_token_ids": {**_BOOL, "description": "vLLM's extension: output token ids in each choice and chunk"},
-    "n": _const(1),
+    "n": _int(1, MAX_N, "choices: one prefill, its KV blocks shared; choice i seeded with seed + i"),
     "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: only {}"},
     "user": {"type": "string", "description": "accepted and ignored"},
     "store": _const(False),

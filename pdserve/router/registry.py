@@ -14,7 +14,13 @@ Load signals, and why they are mixed the way they are:
 
 Queue limits (overload). A prefill node is saturated when `max_queue` of this router's requests
 wait for their first token on it; a decode node when it holds `max_queue` requests beyond its
-`max_num_seqs`. New requests only go to unsaturated nodes; when every ready node of a role is
+`max_num_seqs`. With several routers (`--api-server-count`, replicas) a decode node's load is this
+router's own requests on it (exact, live) plus the other routers' ones its last heartbeat counted:
+`num_running + num_waiting` less the requests the heartbeat lists, which are this router's (a node
+lists to each router only its own, node/router_links.py). So two routers cannot each fill the same
+node to its limit; what another router sent since that heartbeat (at most a heartbeat's worth)
+is not seen yet, and admission stays the node's decision. With one router the heartbeat adds
+nothing beyond its own requests. New requests only go to unsaturated nodes; when every ready node of a role is
 saturated, `route` raises `OverloadedError` (the client gets 429 + Retry-After). A re-dispatched
 request (its node died) ignores the limits: it is already streaming.
 """
@@ -77,7 +83,15 @@ class NodeInfo:
         """Past its queue limit in `role` ("prefill" or "decode"; a "both" node is checked for both)."""
         if role == "prefill":
             return len(self.outstanding_prompt_tokens) >= max_queue
-        return len(self.request_ids) >= (self.register.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + max_queue
+        return self.decode_load >= (self.register.max_num_seqs or DEFAULT_MAX_NUM_SEQS) + max_queue
+
+    @property
+    def decode_load(self) -> int:
+        """Requests on the node as a decode node: this router's, plus other routers' as of the last
+        heartbeat (those it counts but does not list to this router)."""
+        hb = self.heartbeat
+        others = max(0, hb.num_running + hb.num_waiting - len(hb.request_ids)) if hb else 0
+        return len(self.request_ids) + others
 
 
 def node_summary(node: NodeInfo) -> dict:

@@ -38,6 +38,7 @@ import logging
 import time
 
 from pdserve.kvtransfer.messages import Abort, Message, PrefillRequest, Token
+from pdserve.router.choices import ChoiceGroup, ParallelSampling
 from pdserve.router.control import ControlSocket
 from pdserve.router.handlers import NodeMessages
 from pdserve.router.metrics import RouterMetrics
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # the Retry-After of a 429
 
 
-class Router(NodeMessages, Redispatch, Monitor):
+class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
     def __init__(self, tokenizer, served_model_name: str, *, control_addr: str = "tcp://127.0.0.1:0",
                  heartbeat_timeout_s: float = 5.0, prefix_affinity: bool = False,
                  request_timeout_s: float | None = 600.0, max_retries: int = DEFAULT_MAX_RETRIES,
@@ -69,6 +70,7 @@ class Router(NodeMessages, Redispatch, Monitor):
         self.max_retries = max_retries
         self.retry_wait_s = retry_wait_s
         self.parked: dict[str, tuple[RouterRequest, float, str]] = {}  # request id → (req, wait until, why)
+        self.groups: dict[str, ChoiceGroup] = {}  # n > 1 requests by request id (choices.py)
         self.lost_after_s = lost_after_s if lost_after_s is not None else 2 * heartbeat_timeout_s
         self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate and encrypt the control socket
         self.metrics = metrics if metrics is not None else RouterMetrics()
@@ -131,24 +133,29 @@ class Router(NodeMessages, Redispatch, Monitor):
     async def submit(self, request_id: str, parsed: ParsedRequest) -> RouterRequest:
         """Pick the nodes and send the PrefillRequest. Raises ProtocolError: 503 when no node can
         take it, 429 (with Retry-After) when every node of a role is past its queue limit or when
-        the router itself is saturated (saturation.py)."""
+        the router itself is saturated (saturation.py). n > 1: `submit_choices` (choices.py)."""
+        deadline, route = self._admit(parsed)
+        req = RouterRequest(request_id, parsed.prompt_token_ids, parsed.sampling, self.tokenizer, deadline=deadline)
+        if not await self._dispatch(req, route):  # a failure ends up in req's outbox, like any other
+            await self._redispatch(req, f"prefill node {route.prefill.node_id} is unreachable")
+        return req
+
+    def _admit(self, parsed: ParsedRequest) -> tuple[float | None, Route]:
+        """The checks before a new request is sent anywhere: (its deadline, its nodes)."""
         shed = self.saturation.admit(len(self.requests) + len(self.parked))
         if shed is not None:
             self.metrics.observe_shed(shed)
             raise ProtocolError(f"the router is overloaded ({shed.replace('_', ' ')}); retry later", status=429,
                                 headers={"Retry-After": str(RETRY_AFTER_S)})
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
-        req = RouterRequest(request_id, parsed.prompt_token_ids, parsed.sampling, self.tokenizer, deadline=deadline)
         try:
-            route = self.registry.route(req.prompt_token_ids, req.sampling.max_tokens)
+            route = self.registry.route(parsed.prompt_token_ids, parsed.sampling.max_tokens)
         except NoNodeError as e:
             raise ProtocolError(f"no ready {e} node is registered", status=503) from None
         except OverloadedError as e:
             raise ProtocolError(f"every {e} node is at its queue limit; retry later", status=429,
                                 headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        if not await self._dispatch(req, route):  # a failure ends up in req's outbox, like any other
-            await self._redispatch(req, f"prefill node {route.prefill.node_id} is unreachable")
-        return req
+        return deadline, route
 
     async def release(self, req: RouterRequest, reason: str = "client disconnected") -> None:
         """The HTTP side is done with `req`: if it has not ended, the client went away, so abort it."""

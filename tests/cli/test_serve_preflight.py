@@ -31,6 +31,7 @@ def test_unknown_flag_exits_2_at_once_naming_it():
     ("--decode-args", "--bogus", "--bogus"),
     ("--prefill-args", "--max-num-seqs many", "invalid int value: 'many'"),
     ("--router-args", "--no-such-router-flag 1", "--no-such-router-flag"),
+    ("--router-args", "--max-lag -1", "--max-lag"),
     ("--decode-args=", "--bogus", "--bogus"),
 ])
 def test_bad_role_args_exit_2_at_once_with_one_line(flag, value, named):
@@ -81,6 +82,15 @@ def test_plan_forwards_exactly_the_engine_flags_set_and_the_instance_id():
     assert decode_parser().parse_args(_node_argv(commands["decode-0"])).kv_pull_timeout == 5
 
 
+def test_plan_passes_router_args_such_as_max_lag_to_the_router():
+    from pdserve.router.cli import build_parser as router_parser
+
+    parser = build_parser()
+    for extra, max_lag in (([], 0.1), (["--router-args", "--max-lag 0"], 0.0)):
+        commands = dict(plan(parser.parse_args(["--model", "some/dir", *extra]), parser, "abc123"))
+        assert router_parser().parse_args(_node_argv(commands["router"])).max_lag == max_lag
+
+
 class _Health(BaseHTTPRequestHandler):
     answer: tuple[int, dict] = (200, {})
 
@@ -113,3 +123,31 @@ def test_ready_only_when_our_router_answers_200():
         server.shutdown()
         server.server_close()
     assert not is_our_router_healthy(f"http://127.0.0.1:{free_port()}/health", "ours")  # nothing listening
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv", [
+    ["--speculative-config", '{"model": "/no/such/path", "num_speculative_tokens": 4}'],
+    ["--decode-args", '--speculative-config \'{"model": "/no/such/path", "num_speculative_tokens": 4}\''],
+])
+def test_missing_draft_model_exits_2_at_once_with_one_line(argv):
+    started = time.monotonic()
+    result = run_pdserve("serve", *argv, "--model", "/nonexistent", timeout=20)
+    assert result.returncode == 2
+    assert time.monotonic() - started < 15
+    [line] = result.stderr.splitlines()
+    assert line.startswith("pdserve serve: error: ") and line.endswith(
+        "--speculative-config: draft model '/no/such/path' is not a local model directory, a .gguf file or the "
+        "alias 'smollm2'")
+    assert result.stdout == ""
+
+
+def test_draft_model_check(tmp_path, tiny_llama):
+    from pdserve.cli.preflight import check_draft_model
+
+    assert check_draft_model(None) is None
+    assert check_draft_model('{"method": "ngram", "num_speculative_tokens": 4}') is None
+    assert check_draft_model(json.dumps({"model": str(tiny_llama), "num_speculative_tokens": 2})) is None
+    error = check_draft_model(json.dumps({"model": str(tmp_path), "num_speculative_tokens": 2}))
+    assert error == f"--speculative-config: draft model directory '{tmp_path}' is missing config.json and " \
+                    "*.safetensors weights"

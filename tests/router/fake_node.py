@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 
 import zmq
@@ -129,9 +130,8 @@ class FakeNode:
                 await self.register()
             elif isinstance(msg, Abort):
                 self.aborts.append(msg)
-                task = self.tasks.pop(msg.request_id, None)
-                if task is not None:
-                    task.cancel()
+                for rid in [r for r in self.tasks if r == msg.request_id or r.startswith(msg.request_id + "#")]:
+                    self.tasks.pop(rid).cancel()  # an n > 1 request's id: its choices too
 
     def _run(self, request_id: str, coro) -> None:
         task = asyncio.create_task(coro)
@@ -167,7 +167,16 @@ class FakeNode:
         if self.fail:
             await self.send(Error(req.request_id, self.node_id, self.fail, retryable=self.retryable))
             return
-        tokens = self.generate(req.request_id, req.prompt_token_ids, SamplingParams.from_dict(req.sampling))
+        sampling = SamplingParams.from_dict(req.sampling)
+        if sampling.n > 1:  # one prefill, then choices `{id}#{i}` (the last prompt token + i seeds choice i)
+            await asyncio.sleep(self.first_token_delay_s)
+            for i in range(sampling.n):
+                prompt = req.prompt_token_ids[:-1] + [req.prompt_token_ids[-1] + i]
+                choice = dataclasses.replace(req, request_id=f"{req.request_id}#{i}", prompt_token_ids=prompt,
+                                             sampling=sampling.for_choice(i).to_dict())
+                self._run(choice.request_id, self._prefill(choice))
+            return
+        tokens = self.generate(req.request_id, req.prompt_token_ids, sampling)
         first, rest = tokens[0], tokens[1:]
         if rest and req.decode_node_id:
             decoder = self.cluster[req.decode_node_id]

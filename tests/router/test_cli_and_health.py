@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -16,6 +18,7 @@ from pdserve.router.access_log import RouterAccessLogger
 from pdserve.router.app import INSTANCE_ID_KEY, ROUTER_KEY, create_app
 from pdserve.router.openapi import openapi_spec
 from pdserve.router.router import Router
+from pdserve.router.saturation import DEFAULT_MAX_LAG_S
 from tests.router.conftest import MODEL, run, serving
 from tests.router.fake_node import FakeNode
 
@@ -120,3 +123,26 @@ def test_main_wires_name_instance_id_and_access_log(tokenizer, monkeypatch, tmp_
     router = seen["app"][ROUTER_KEY]
     assert router.served_model_name == "mine" and router.curve == CurveKeys.load(keys)
     assert re.fullmatch(r"[0-9a-f]{32}", seen["app"][INSTANCE_ID_KEY])
+
+
+def test_max_lag_reaches_the_router_and_zero_never_sheds(tokenizer, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, "load_tokenizer", lambda model: tokenizer)
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: seen.update(app=app))
+    assert cli.main(["--port", "0"]) == 0
+    assert seen["app"][ROUTER_KEY].saturation.max_lag_s == DEFAULT_MAX_LAG_S == 0.1
+    for flag, max_lag_s, sheds in (("0.25", 0.25, "loop_lag"), ("0", None, None)):
+        assert cli.main(["--port", "0", "--max-lag", flag]) == 0
+        saturation = seen["app"][ROUTER_KEY].saturation
+        assert saturation.max_lag_s == max_lag_s
+        for _ in range(5):  # a loop 5 s late, probe after probe: shed, unless 0 says never
+            saturation.record(time.monotonic(), 5.0)
+        assert saturation.admit(10) == sheds
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "soon"])
+def test_max_lag_refuses_what_is_not_seconds(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--max-lag", value])
+    assert e.value.code == 2
+    assert f"argument --max-lag: {value!r} is not a number of seconds" in capsys.readouterr().err

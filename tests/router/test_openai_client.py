@@ -92,5 +92,27 @@ def test_chat_completions(client):
 def test_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi")
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be an integer"):
+        client.completions.create(model=MODEL, prompt="hi", n=0)
+
+
+def test_n_choices_streamed_and_not(client):
+    """Parallel sampling: n choices with their index; usage over all of them."""
+    kw = dict(model=MODEL, max_tokens=4, n=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(prompt="hi", **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2] and all(c.text for c in out.choices)
+    assert out.usage.completion_tokens == 12
+    texts = {}
+    for chunk in client.completions.create(prompt="hi", stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in out.choices}
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+    contents, usage = {}, None
+    for chunk in client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            contents[c.index] = contents.get(c.index, "") + (c.delta.content or "")
+        usage = chunk.usage or usage
+    assert contents == {c.index: c.message.content for c in chat.choices}
+    assert usage.completion_tokens == chat.usage.completion_tokens == 12

@@ -82,7 +82,7 @@ def test_chat_template_and_token_limits(tokenizer):
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),  # n > 1 is parallel sampling (test_parallel_sampling_router.py)
     ({"best_of": 3}, "best_of"),
     ({"echo": True}, "echo"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
@@ -212,7 +212,7 @@ def test_http_errors_are_openai_bodies(tokenizer):
             assert body["error"]["type"] == "BadRequestError" and body["error"]["code"] == 400
             status, body = await h.post("/v1/completions", {"prompt": "x" * 40})  # > max_model_len from Register
             assert status == 400 and "maximum context length is 32" in body["error"]["message"]
-            status, body = await h.post("/v1/completions", {"prompt": "hi", "n": 2})
+            status, body = await h.post("/v1/completions", {"prompt": "hi", "n": 0})
             assert status == 400 and body["error"]["param"] == "n"
             status, body = await h.post("/v1/chat/completions", {"model": "other", "messages": MSGS})
             assert status == 404 and body["error"]["type"] == "NotFoundError"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvtransfer.messages import Heartbeat, Register
-from pdserve.router.registry import NoNodeError, Registry
+from pdserve.router.registry import NoNodeError, OverloadedError, Registry
 
 
 def add(reg: Registry, node_id: str, role: str, *, free: int = 100, ready: bool = True, now: float = 0.0,
@@ -118,3 +118,62 @@ def test_max_model_len_is_the_smallest_declared_by_ready_nodes():
     add(reg, "c", "decode", max_model_len=32, ready=False)
     add(reg, "d", "decode", max_model_len=0)
     assert reg.max_model_len() == 64
+
+
+def _two_router_views(max_num_seqs: int = 4, max_queue: int = 2) -> tuple[Registry, Registry]:
+    """Two routers' registries of one prefill and one decode node (as with --api-server-count 2)."""
+    views = []
+    for _ in range(2):
+        reg = Registry(max_queue=max_queue)
+        add(reg, "p", "prefill")
+        reg.register(Register("d", "decode", "m", kv_addr="tcp://d", num_total_blocks=100, max_num_seqs=max_num_seqs),
+                     b"d", now=0.0)
+        reg.heartbeat(Heartbeat("d", 100, 100, 0, 0), now=0.0)
+        views.append(reg)
+    return views[0], views[1]
+
+
+def _fill(reg: Registry, prefix: str) -> list[str]:
+    """Route requests until the decode node is saturated in this router's view; their ids."""
+    ids = []
+    while True:
+        try:
+            route = reg.route([1, 2, 3], 4)
+        except OverloadedError as e:
+            assert str(e) == "decode"
+            return ids
+        ids.append(f"{prefix}{len(ids)}")
+        reg.add_request(route, ids[-1], 3, 4)
+        reg.first_token("p", ids[-1])  # the prefill queue is not what is tested
+
+
+def test_two_routers_do_not_double_book_a_decode_node():
+    a, b = _two_router_views(max_num_seqs=4, max_queue=2)  # the node takes 4 + 2 queued
+    a_ids = _fill(a, "a")
+    assert len(a_ids) == 6
+    # The node's next heartbeat counts A's 6 requests; it lists them to A only (node/router_links.py).
+    a.heartbeat(Heartbeat("d", 90, 100, 4, 2, request_ids=a_ids), now=1.0)
+    b.heartbeat(Heartbeat("d", 90, 100, 4, 2, request_ids=[]), now=1.0)
+    assert a.nodes["d"].decode_load == b.nodes["d"].decode_load == 6
+    with pytest.raises(OverloadedError):  # B sees the node full of A's requests
+        b.route([1, 2, 3], 4)
+    # A's requests end; once the node says so, B may use the room, and A only what B left.
+    for rid in a_ids[:3]:
+        a.release_request(["p", "d"], rid)
+    b.heartbeat(Heartbeat("d", 95, 100, 3, 0, request_ids=[]), now=2.0)
+    b_ids = _fill(b, "b")
+    assert len(b_ids) == 3
+    a.heartbeat(Heartbeat("d", 90, 100, 4, 2, request_ids=a_ids[3:]), now=3.0)
+    assert a.nodes["d"].decode_load == 6 and _fill(a, "a2-") == []
+
+
+def test_one_router_counts_only_its_own_requests_on_a_decode_node():
+    reg, _ = _two_router_views(max_num_seqs=4, max_queue=2)
+    ids = _fill(reg, "r")
+    assert len(ids) == 6
+    # Some still pulling their KV (held, listed, not yet running): the heartbeat adds nothing.
+    reg.heartbeat(Heartbeat("d", 90, 100, 3, 0, request_ids=ids), now=1.0)
+    assert reg.nodes["d"].decode_load == 6
+    reg.release_request(["p", "d"], ids[0])
+    assert reg.nodes["d"].decode_load == 5  # an ended request frees its place at once
+    assert len(_fill(reg, "s")) == 1
