@@ -39,7 +39,6 @@ import argparse
 import multiprocessing
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ import urllib.request
 from benchmarks.router_capacity_client import LoadClient
 from benchmarks.router_capacity_fleet import MODEL, corpus_token_ids, run_fleet
 from pdserve.bench.json_out import report
+from pdserve.cli.processes import free_port
 from pdserve.router.cli import API_SERVER_HEADER
 
 STAGES = ("decode", "detokenize", "sse", "write")
@@ -95,18 +95,12 @@ def _cpus(value: str) -> list[int]:
     return cpus
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Bench:
     def __init__(self, args, corpus: list[int]) -> None:
         self.args, self.corpus = args, corpus
         self.n = args.api_server_count
-        self.port = _free_port()
-        self.control_addrs = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(self.n)]
+        self.port = free_port()
+        self.control_addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(self.n)]
         many = ["--api-server-count", str(self.n)] if self.n > 1 else []
         self.router = subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, args.router_cpu)), sys.executable, "-m", "pdserve.router",

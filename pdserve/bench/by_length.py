@@ -4,20 +4,16 @@ and costs the other, and a pooled figure hides both)."""
 
 from __future__ import annotations
 
-import numpy as np
-
+from pdserve.bench.metrics import stats_ms
 from pdserve.bench.request_record import RequestRecord
 
-PERCENTILES = (50.0, 99.0)
+PERCENTILES = [50.0, 99.0]
 
 
 def e2e_stats(records: list[RequestRecord]) -> dict:
-    """count, mean and p50/p99 E2E (ms) over the successful records."""
-    values = np.asarray([r.e2el_s for r in records if r.success], dtype=float) * 1000.0
-    stats = {"count": int(values.size), "mean_e2el_ms": float(values.mean()) if values.size else 0.0}
-    for p in PERCENTILES:
-        stats[f"p{int(p)}_e2el_ms"] = float(np.percentile(values, p)) if values.size else 0.0
-    return stats
+    """count, mean, median, std and p50/p99 E2E (ms) over the successful records."""
+    values = [r.e2el_s for r in records if r.success]
+    return {"count": len(values), **stats_ms(values, PERCENTILES, "e2el")}
 
 
 def e2e_by_output_len(records: list[RequestRecord]) -> dict[str, dict]:

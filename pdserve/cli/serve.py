@@ -25,7 +25,6 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import uuid
 
 from pdserve.cli.main import add_engine_args, engine_argv, resolve_model_verbosely
 from pdserve.cli.preflight import check_draft_model, check_port_free, check_role_args
+from pdserve.cli.processes import free_port, stop_processes
 from pdserve.engine.loader import served_model_name
 
 
@@ -83,12 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -151,17 +145,7 @@ def stop_all(procs: list[tuple[str, subprocess.Popen]], timeout: float = 30.0) -
     Returns the names of the processes that had to be killed."""
     killed = []
     for group in (procs[1:], procs[:1]):
-        for _, p in group:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for name, p in group:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                killed.append(name)
+        killed += [group[i][0] for i in stop_processes([p for _, p in group], timeout)]
     return killed
 
 

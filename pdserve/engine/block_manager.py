@@ -50,6 +50,9 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # key → block id
         self.tables: dict[str, list[int]] = {}  # request id → its blocks in logical order
         self.keys: dict[str, list[int]] = {}  # request id → keys of its leading full blocks
+        # Tables `fork` touched: the only ones that can hold a shared block where they write next
+        # (prefix-cache hits are full blocks before any write), so only they need copy-on-write checks.
+        self.forked: set[str] = set()
         # Host pool for swapping: only ids and a free list here; the bytes live in the model runner.
         self.num_host_blocks = num_host_blocks
         self.free_host_ids: deque[int] = deque(range(num_host_blocks))
@@ -118,7 +121,7 @@ class BlockManager:
         `write_from` counts the copies `copy_on_write(request_id, write_from, num_tokens)` needs."""
         have = len(self.tables.get(request_id, ())) or len(computed_block_ids)
         num_needed = self.num_blocks_for(num_tokens) - have
-        if write_from is not None:
+        if write_from is not None and request_id in self.forked:
             num_needed += len(self._shared_in(request_id, write_from, num_tokens))
         # Hit blocks that are evictable leave the pool when taken.
         num_needed += sum(1 for b in computed_block_ids if self.ref_counts[b] == 0)
@@ -146,14 +149,9 @@ class BlockManager:
         """Drop the request's references. The tail is released first so that, among equally old
         cached blocks, a prefix's later blocks are evicted before its earlier ones."""
         for block_id in reversed(self.tables.pop(request_id, [])):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] > 0:
-                continue
-            if self.block_keys[block_id] is not None:
-                self.evictable[block_id] = None
-            else:
-                self.free_ids.append(block_id)
+            self._release(block_id)
         self.keys.pop(request_id, None)
+        self.forked.discard(request_id)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Drop the table's blocks past those `num_tokens` tokens need: speculative decoding rolls
@@ -163,14 +161,7 @@ class BlockManager:
             return
         keep = self.num_blocks_for(num_tokens)
         while len(table) > keep:
-            block_id = table.pop()
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] > 0:
-                continue
-            if self.block_keys[block_id] is not None:
-                self.evictable[block_id] = None
-            else:
-                self.free_ids.append(block_id)
+            self._release(table.pop())
 
     # ---- forks and copy-on-write --------------------------------------------------------
     def fork(self, src_id: str, dst_id: str) -> list[int]:
@@ -182,12 +173,15 @@ class BlockManager:
             self.ref_counts[block_id] += 1
         if src_id in self.keys:
             self.keys[dst_id] = list(self.keys[src_id])
+        self.forked.update((src_id, dst_id))
         return table
 
     def _shared_in(self, request_id: str, start: int, end: int) -> list[int]:
         """Logical indices of the request's blocks that positions [start, end) write into and
         that another table also holds."""
-        table = self.tables.get(request_id, ())
+        if request_id not in self.forked:  # every request that never forked, every step
+            return []
+        table = self.tables[request_id]
         last = min(len(table), self.num_blocks_for(end))
         return [i for i in range(start // self.block_size, last) if self.ref_counts[table[i]] > 1]
 
@@ -203,6 +197,16 @@ class BlockManager:
             table[i] = self._pop_free()
             copies.append((src, table[i]))
         return copies
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; at 0 the block goes to the LRU list (cached) or the free list."""
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] > 0:
+            return
+        if self.block_keys[block_id] is not None:
+            self.evictable[block_id] = None
+        else:
+            self.free_ids.append(block_id)
 
     def _take(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
@@ -259,5 +263,6 @@ class BlockManager:
         assert all(self.ref_counts[b] == 0 and self.block_keys[b] is not None for b in self.evictable)
         assert all(self.ref_counts[b] == 0 and self.block_keys[b] is None for b in self.free_ids)
         assert all(self.block_keys[b] == k for k, b in self.cached.items()), "cache map disagrees with block keys"
+        assert self.forked <= self.tables.keys(), "a forked mark outlived its table"
         host_used = sum(len(t) for t in self.host_tables.values())
         assert host_used + len(self.free_host_ids) == self.num_host_blocks, "host blocks leaked"

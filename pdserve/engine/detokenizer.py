@@ -13,8 +13,9 @@ of many detokenizers (a router's step: one token per stream) in one pass.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _INCOMPLETE = "\ufffd"
 _WINDOW = 6  # tokens of left context kept for decoding
@@ -29,24 +30,20 @@ class TokenDecoder:
         self._tokenizer = tokenizer
         self._one: dict[int, str] = {}
 
-    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
-        """The first decode picks the decode function (and replaces this method on the instance)."""
+    @functools.cached_property  # picked at the first decode, then a plain attribute
+    def decode(self) -> Callable[..., str]:
+        """decode(ids, skip_special_tokens=...) -> str"""
         tokenizer = self._tokenizer
         backend = getattr(tokenizer, "_tokenizer", None)
         if hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-            self._decode = backend.decode  # (ids, skip_special_tokens=...)
-        else:
-            self._decode = tokenizer.decode
-        return self._decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
-        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+            return backend.decode
+        return tokenizer.decode
 
     def decode_one(self, token_id: int) -> str:
         """The token alone, special tokens included (as `tokenizer.decode([token_id])`)."""
         text = self._one.get(token_id)
         if text is None:
-            text = self._one[token_id] = self._decode([token_id], skip_special_tokens=False)
+            text = self._one[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
 
@@ -93,15 +90,13 @@ class IncrementalDetokenizer:
         """Feed new tokens; returns the text that is now safe to show (possibly ''). `final`
         (the request ended) flushes everything, a trailing incomplete character included."""
         if not self.stopped:
-            self.token_ids.extend(token_ids)
-            decode, skip = self.decoder.decode, self.skip_special_tokens
-            prefix_ids, full_ids = self._windows()
-            self._apply(decode(prefix_ids, skip), decode(full_ids, skip), final)
+            ids = self.token_ids
+            ids.extend(token_ids)
+            decode, skip, start = self.decoder.decode, self.skip_special_tokens, self.prefix_offset
+            # the window decoded without and with the new tokens
+            self._apply(decode(ids[start : self.read_offset], skip_special_tokens=skip),
+                        decode(ids[start:], skip_special_tokens=skip), final)
         return self._piece(final)
-
-    def _windows(self) -> tuple[list[int], list[int]]:
-        """The ids decoded without and with the new tokens."""
-        return self.token_ids[self.prefix_offset : self.read_offset], self.token_ids[self.prefix_offset :]
 
     def _apply(self, prefix: str, full: str, final: bool) -> None:
         if (full.endswith(_INCOMPLETE) and not final) or len(full) <= len(prefix):
@@ -132,15 +127,5 @@ class IncrementalDetokenizer:
 
 def add_tokens_batch(items: Sequence[tuple[IncrementalDetokenizer, int, bool]]) -> list[str]:
     """One new token for each of many detokenizers: `(detokenizer, token_id, final)` →
-    the text each may now show, as `add_tokens([token_id], final=final)` would return it (the
-    same steps, inlined: this runs for every token a router streams)."""
-    pieces = []
-    for detok, token_id, final in items:
-        if not detok.stopped:
-            ids = detok.token_ids
-            ids.append(token_id)
-            decode, skip, start = detok.decoder._decode, detok.skip_special_tokens, detok.prefix_offset
-            detok._apply(decode(ids[start : detok.read_offset], skip_special_tokens=skip),
-                         decode(ids[start:], skip_special_tokens=skip), final)
-        pieces.append(detok._piece(final))
-    return pieces
+    the text each may now show (`add_tokens((token_id,), final=final)` of each)."""
+    return [detok.add_tokens((token_id,), final=final) for detok, token_id, final in items]

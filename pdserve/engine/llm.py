@@ -19,6 +19,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine, RequestOutput
 from pdserve.engine.request import child_id
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduling_policy import (
+    DEFAULT_SCHEDULING_POLICY,
+    DEFAULT_SJF_AGING_S,
+    DEFAULT_SJF_LENGTH_FACTOR,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +49,9 @@ class LLM:
         seed: int = 0,
         skip_tokenizer_init: bool = False,
         speculative_config: dict | str | None = None,  # vLLM's keys (engine/spec_decode/config.py)
-        scheduling_policy: str = "fcfs",
-        sjf_length_factor: float = 1.0,
-        sjf_aging_s: float = 30.0,
+        scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
+        sjf_length_factor: float = DEFAULT_SJF_LENGTH_FACTOR,
+        sjf_aging_s: float = DEFAULT_SJF_AGING_S,
     ) -> None:
         from pdserve.engine.loader import resolve_model  # file I/O and maybe a download: only in this factory
 

@@ -26,7 +26,7 @@ from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from pdserve.engine.rejection_sampler import verify_drafts
 from pdserve.engine.sampler import Sampler, SamplingInput
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None] | list]:
         """Run the step; returns request id → (sampled token, logprobs) for requests that sample,
         or, for a request that had draft tokens to verify, the list of such pairs it emits
-        (the accepted drafts, then the target's own token: engine/rejection_sampler.py)."""
+        (the accepted drafts, then the target's own token: engine/rejection_sampler.py); an n > 1
+        request about to fork gets one pair per choice, under the choices' ids."""
         self._swap(out)
         if out.is_empty:
             return {}
@@ -136,15 +137,11 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[logits_indices])
-        if any(s.spec_token_ids for s in sampling):
+        if any(s.spec_token_ids or s.request.forks for s in sampling):  # drafts to verify or choices to draw
             return verify_drafts(self.sampler, logits, sampling)
-        # One row per draw: an n > 1 request about to fork draws each choice from its one logits row.
-        draws = [(j, key, params, s.request) for j, s in enumerate(sampling) for key, params in s.request.sampling_rows()]
-        if len(draws) != len(sampling):
-            logits = logits[torch.tensor([j for j, *_ in draws], device=logits.device)]
-        rows = [SamplingInput(params, *request.sampling_view()) for _, _, params, request in draws]
+        rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
         result = self.sampler(logits, rows)
-        return {key: (tok, lp) for (_, key, _, _), tok, lp in zip(draws, result.token_ids, result.logprobs)}
+        return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
 
     def prepare_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request

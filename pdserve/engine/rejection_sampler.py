@@ -34,39 +34,41 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, items: Sequence) -> di
     """`logits` [sum(1 + len(spec)), vocab]: for each sampling item (ScheduledRequest) in order, the
     target's logits at its last token and at each of its draft tokens. Returns request id →
     (token, logprobs) for items without drafts, else → the list of (token, logprobs) it emits:
-    its accepted drafts, then one token of the target's (a correction or the bonus)."""
+    its accepted drafts, then one token of the target's (a correction or the bonus). An n > 1
+    request about to fork (engine/request.py; never drafted) draws each choice from its one row:
+    choice id → (token, logprobs). One sampler call for the whole batch."""
     rows: list[SamplingInput] = []
-    forks: list[int] = []  # logits rows of n > 1 requests about to fork (no drafts): one draw per choice
+    picks: list[int] = []  # the logits row of each draw
+    num_logits = 0
     for item in items:
-        prompt, output = item.request.sampling_view()
-        params = item.request.params
-        if item.request.forks:
-            forks.append(len(rows))
-        rows.append(SamplingInput(params, prompt, output))
-        for j in range(1, len(item.spec_token_ids) + 1):
-            rows.append(SamplingInput(params, prompt, [*output, *item.spec_token_ids[:j]]))
-    if logits.shape[0] != len(rows):
-        raise ValueError(f"expected {len(rows)} logit rows for the drafts, got {logits.shape[0]}")
-    if forks:  # parallel sampling (engine/request.py): the choices draw from their parent's row
-        mask = torch.ones(len(rows), dtype=torch.bool)
-        mask[forks] = False
-        keep = [it for it in items if not it.request.forks]
-        verified = verify_drafts(sampler, logits[mask.to(logits.device)], keep) if keep else {}
-        parents = [it.request for it in items if it.request.forks]
-        choices = [(key, SamplingInput(p, *r.sampling_view())) for r in parents for key, p in r.sampling_rows()]
-        picks = torch.tensor([f for f, r in zip(forks, parents) for _ in range(r.params.n)], device=logits.device)
-        drawn = sampler(logits[picks], [row for _, row in choices])
-        verified.update({key: pair for (key, _), pair in zip(choices, zip(drawn.token_ids, drawn.logprobs))})
-        return verified
+        request, spec = item.request, item.spec_token_ids
+        prompt, output = request.sampling_view()
+        if request.forks:  # parallel sampling: the choices draw from their parent's row
+            rows += [SamplingInput(params, prompt, output) for _, params in request.sampling_rows()]
+            picks += [num_logits] * request.params.n
+        else:
+            rows.append(SamplingInput(request.params, prompt, output))
+            rows += [SamplingInput(request.params, prompt, [*output, *spec[:j]]) for j in range(1, 1 + len(spec))]
+            picks += range(num_logits, num_logits + 1 + len(spec))
+        num_logits += 1 + len(spec)
+    if logits.shape[0] != num_logits:
+        raise ValueError(f"expected {num_logits} logit rows for the drafts, got {logits.shape[0]}")
+    if len(picks) != num_logits:  # forks draw several times from one row
+        logits = logits[torch.tensor(picks, device=logits.device)]
     result = sampler(logits, rows)
+    pairs = list(zip(result.token_ids, result.logprobs))
     verified: dict[str, tuple | list[tuple]] = {}
     row = 0
     for item in items:
-        spec = item.spec_token_ids
-        pairs = list(zip(result.token_ids[row : row + len(spec) + 1], result.logprobs[row : row + len(spec) + 1]))
-        row += len(spec) + 1
-        rid = item.request.request_id
-        verified[rid] = accept_prefix(pairs, spec) if spec else pairs[0]
+        request, spec = item.request, item.spec_token_ids
+        if request.forks:
+            for key, _ in request.sampling_rows():
+                verified[key] = pairs[row]
+                row += 1
+            continue
+        emitted = pairs[row : row + 1 + len(spec)]
+        verified[request.request_id] = accept_prefix(emitted, spec) if spec else emitted[0]
+        row += 1 + len(spec)
     return verified
 
 

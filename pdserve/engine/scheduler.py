@@ -7,11 +7,12 @@ Each step, in this order:
      blocks are freed and it is recomputed later. It may be the request being scheduled.
   2. If nothing was preempted: swapped requests come back in, then waiting requests are admitted
      in the scheduling policy's order (engine/scheduling_policy.py: fcfs, priority, or shortest
-     job first with aging, which re-sorts the queues each step) while `max_num_seqs`, the token
-     budget and free blocks (less the watermark) allow. A prompt longer than the budget is split
-     over steps (chunked prefill).
-The result is one `SchedulerOutput`, the only thing the model runner sees. After the forward,
-`postprocess` advances the requests, appends sampled tokens and retires finished requests.
+     job first with aging, which re-sorts a queue before admitting from it) while `max_num_seqs`,
+     the token budget and free blocks (less the watermark) allow. A prompt longer than the budget
+     is split over steps (chunked prefill).
+The result is one `SchedulerOutput` (engine/scheduler_output.py), the only thing the model
+runner sees. After the forward, `postprocess` advances the requests, appends sampled tokens and
+retires finished requests.
 
 A decode node's requests arrive with their prompt KV computed elsewhere (vLLM's
 WAITING_FOR_REMOTE_KVS). The scheduler owns those states too, and the blocks they hold:
@@ -28,8 +29,8 @@ nothing runs or receives.
 Parallel sampling (n > 1): the fork point is the parent's first draw. `postprocess` (or, on a
 decode node, `remote_kv_done` with the first tokens the prefill node drew) replaces the parent
 with its n children, which share its blocks (`BlockManager.fork`); a child's first write into a
-shared block is a copy-on-write (`blocks_to_copy`). A parent counts as n sequences against
-`max_num_seqs`. `abort(parent id)` aborts every child still held.
+shared block is a copy-on-write (`blocks_to_copy`). A parent not yet forked counts as n
+sequences against `max_num_seqs` (`_num_seqs`). `abort(parent id)` aborts every child still held.
 
 Speculative decoding (`num_lookahead_tokens` = k > 0): a decode step gets up to k more slots for
 draft tokens, counted against the token budget, when blocks allow (else it decodes plainly:
@@ -42,10 +43,11 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.scheduling_policy import (
     DEFAULT_SCHEDULING_POLICY,
     DEFAULT_SJF_AGING_S,
@@ -53,36 +55,6 @@ from pdserve.engine.scheduling_policy import (
     SchedulingPolicy,
 )
 from pdserve.engine.spec_decode.stats import SpecDecodeStats
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_computed_tokens: int  # KV already in the blocks; this step's tokens start at this position
-    num_new_tokens: int  # request.all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
-    block_ids: list[int]  # the request's block table (logical → physical), shared with the block manager
-    samples: bool  # the chunk reaches the last known token: its logits give the next token
-    # Speculative decoding: slots allocated past the last token for draft tokens (0 = none), and the
-    # drafts themselves (at most that many), set by the proposer between schedule and the forward.
-    num_lookahead_tokens: int = 0
-    spec_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
-    num_batched_tokens: int = 0  # sum of num_new_tokens
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), before the forward
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), after swap-outs
-    # (src, dst) device copies, after the swaps and before the forward: copy-on-write of blocks that
-    # the choices of an n > 1 request share (read as they were at the start of the step)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    forked: dict[str, list[Request]] = field(default_factory=dict)  # set by postprocess: parent id → children
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -119,12 +91,13 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.policy = config.policy
         self.clock = time.monotonic  # the time sjf's aging reads (tests put a fake clock here)
-        self.waiting: list[Request] = []  # sorted by (priority, arrival); sjf re-sorts it each step
+        self.waiting: list[Request] = []  # sorted by (priority, arrival); sjf re-sorts it to admit
         self.running: list[Request] = []  # admission order
-        self.swapped: list[Request] = []  # sorted by (priority, arrival); sjf re-sorts it each step
+        self.swapped: list[Request] = []  # sorted by (priority, arrival); sjf re-sorts it to admit
         self.waiting_for_kv: list[Request] = []  # remote KV announced, no blocks: arrival order (sjf: re-sorted)
         self.receiving_kv: dict[str, Request] = {}  # blocks allocated, the node copies the KV in
         self.requests: dict[str, Request] = {}  # every request held, remote-KV states included
+        self.parents: dict[str, Request] = {}  # n > 1 requests held that have not forked yet (few)
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt positions whose KV a forward computed here (totals)
         self.num_tokens_sampled = 0
@@ -140,12 +113,18 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}"
             )
         request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
+        self._hold(request)
         bisect.insort(self.waiting, request, key=_order)
 
     def _check_new(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+
+    def _hold(self, request: Request) -> None:
+        """Start holding a new request (an n > 1 one is a parent until it forks)."""
+        self.requests[request.request_id] = request
+        if request.forks:
+            self.parents[request.request_id] = request
 
     # ---- remote KV (decode node) ----------------------------------------------------------
     def add_remote(self, request: Request) -> None:
@@ -153,7 +132,7 @@ class Scheduler:
         appended): it waits, holding no block, until `schedule_remote_kv` finds room for it."""
         self._check_new(request)
         request.status = RequestStatus.WAITING_FOR_KV
-        self.requests[request.request_id] = request
+        self._hold(request)
         self.waiting_for_kv.append(request)
 
     def schedule_remote_kv(self, *, arrived_before: float | None = None) -> list[Request]:
@@ -163,11 +142,10 @@ class Scheduler:
         requests that arrived later (the fault-injection hook's simulated slow network)."""
         bm = self.block_manager
         started = []
-        self.policy.sort(self.waiting_for_kv, self.clock())
+        self._sort_for_admission(self.waiting_for_kv, receiving=True)
         while self.waiting_for_kv:
             request = self.waiting_for_kv[0]
-            num_seqs = self._num_seqs(self.running) + self._num_seqs(self.receiving_kv.values())
-            room = num_seqs + request.params.n <= self.config.max_num_seqs
+            room = self._has_seat(request, receiving=True)
             # As for waiting requests: no watermark on a pool nothing else will grow into.
             reserve = bool(self.running or self.receiving_kv)
             if not room or not bm.can_allocate(request.request_id, request.num_prompt_tokens, reserve=reserve):
@@ -220,6 +198,7 @@ class Scheduler:
         and must call `block_manager.free(request_id)` exactly once."""
         self.running.remove(request)
         self.requests.pop(request.request_id, None)
+        self.parents.pop(request.request_id, None)
         request.status = RequestStatus.TRANSFERRING
         return self.block_manager.block_ids(request.request_id)
 
@@ -242,6 +221,7 @@ class Scheduler:
         self.block_manager.free_host(request.request_id)
         request.status = status
         self.requests.pop(request.request_id, None)
+        self.parents.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
         """Any request held, remote-KV states included."""
@@ -254,11 +234,6 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # Nothing joins waiting or swapped before they are admitted from, but a preemption (which
-        # then skips admission this step): one sort per step keeps sjf's order current.
-        now = self.clock()
-        self.policy.sort(self.waiting, now)
-        self.policy.sort(self.swapped, now)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_request_ids:
             budget = self._schedule_swapped(out, budget)
@@ -273,13 +248,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + num_new
-            lookahead = self._lookahead(request, num_new, budget)
-            if lookahead and bm.can_allocate(request.request_id, target + lookahead,
-                                             write_from=request.num_computed_tokens):
-                target += lookahead  # else no drafts this step: short of blocks, decode plainly first
-            else:
-                lookahead = 0
+            lookahead = self._lookahead(request, num_new, budget) if self.config.num_lookahead_tokens else 0
+            target = request.num_computed_tokens + num_new + lookahead
             while not bm.can_allocate(request.request_id, target, write_from=request.num_computed_tokens):
                 # The victim may have been scheduled earlier in this step: un-schedule it.
                 victim = max(self.running, key=_order)
@@ -299,13 +269,17 @@ class Scheduler:
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
         """Draft slots for a decode step: k, less what max_tokens, max_model_len or the token
-        budget leave no room for (the verification emits up to lookahead + 1 tokens)."""
-        k = self.config.num_lookahead_tokens
-        if not k or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or request.forks:
+        budget leave no room for (the verification emits up to lookahead + 1 tokens); none when
+        blocks are short (drafts never cause a preemption: the step decodes plainly first)."""
+        if num_new != 1 or request.num_tokens - request.num_computed_tokens != 1 or request.forks:
             return 0
         room_out = request.params.max_tokens - request.num_output_tokens - 1
         room_len = self.config.max_model_len - request.num_tokens - 1
-        return max(0, min(k, budget - 1, room_out, room_len))
+        num_slots = max(0, min(self.config.num_lookahead_tokens, budget - 1, room_out, room_len))
+        if num_slots and not self.block_manager.can_allocate(
+                request.request_id, request.num_tokens + num_slots, write_from=request.num_computed_tokens):
+            return 0
+        return num_slots
 
     @staticmethod
     def _unschedule(out: SchedulerOutput, request: Request) -> int:
@@ -313,9 +287,17 @@ class Scheduler:
         out.scheduled.remove(item)
         return item.num_new_tokens + item.num_lookahead_tokens
 
+    def _sort_for_admission(self, queue: list[Request], *, receiving: bool = False) -> None:
+        """sjf's order changes as requests wait: a queue is sorted just before requests are
+        admitted from it, and not when the batch is full (its queue is then the longest)."""
+        if self.policy.is_time_dependent and self._num_seqs(receiving=receiving) < self.config.max_num_seqs:
+            self.policy.sort(queue, self.clock())
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if budget > 0:
+            self._sort_for_admission(self.swapped)
+        while self.swapped and budget > 0 and self._has_seat(self.swapped[0]):
             request = self.swapped[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
@@ -331,10 +313,10 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if budget > 0:
+            self._sort_for_admission(self.waiting)
+        while self.waiting and budget > 0 and self._has_seat(self.waiting[0]):
             request = self.waiting[0]
-            if request.forks and self._num_seqs(self.running) + request.params.n > self.config.max_num_seqs:
-                break  # its n choices would overflow the batch
             computed = bm.get_computed_blocks(request.all_token_ids)
             num_computed = len(computed) * bm.block_size
             num_new = request.num_tokens - num_computed
@@ -373,7 +355,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted_request_ids.append(request.request_id)
-        undo = self._drop_copies(out, request)
+        # Its copy-on-writes of this step are freed or swapped out with it: cancel them.
+        undo = out.cancel_copies(bm.block_ids(request.request_id))
         if bm.num_host_blocks and bm.can_swap_out(request.request_id):
             # Swap-outs read the blocks as they were at the start of the step: a copy-on-write
             # this step had not filled its copy yet, so the host gets the original.
@@ -385,17 +368,6 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
             bisect.insort(self.waiting, request, key=_order)
-
-    def _drop_copies(self, out: SchedulerOutput, request: Request) -> dict[int, int]:
-        """Cancel the copy-on-writes made for `request` earlier in this step (it is being
-        preempted: its copies are freed or swapped out); returns {dst: src} of those cancelled."""
-        if not out.blocks_to_copy:
-            return {}
-        table = set(self.block_manager.block_ids(request.request_id))
-        undo = {dst: src for src, dst in out.blocks_to_copy if dst in table}
-        if undo:
-            out.blocks_to_copy = [(src, dst) for src, dst in out.blocks_to_copy if dst not in undo]
-        return undo
 
     # ---- after the forward --------------------------------------------------------------
     def postprocess(
@@ -438,15 +410,10 @@ class Scheduler:
         request, bm = item.request, self.block_manager
         emitted = emitted if isinstance(emitted, list) else [emitted]
         self.spec_stats.observe(len(item.spec_token_ids), len(emitted) - 1)
-        status = None
-        request.num_new_output_tokens = 0
-        for token_id, logprobs in emitted:
-            request.append_output(token_id, logprobs)
-            request.num_new_output_tokens += 1
-            self.num_tokens_sampled += 1
-            status = self.check_stop(request)
-            if status is not None:
-                self.finish(request, status)
+        for num_new, (token_id, logprobs) in enumerate(emitted, 1):
+            finished = self._accept(request, token_id, logprobs)
+            request.num_new_output_tokens = num_new
+            if finished:
                 return True
         request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens + len(emitted) - 1
         bm.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
@@ -474,16 +441,26 @@ class Scheduler:
         at = self.running.index(parent)
         self.running[at : at + 1] = children
         del self.requests[parent.request_id]
+        self.parents.pop(parent.request_id, None)
         for child in children:
             self.requests[child.request_id] = child
             bm.fork(parent.request_id, child.request_id)
         bm.free(parent.request_id)
         return children
 
-    @staticmethod
-    def _num_seqs(requests: Iterable[Request]) -> int:
-        """Sequences they will run as: a parent of n choices counts n."""
-        return sum(r.params.n for r in requests)
+    def _has_seat(self, request: Request, *, receiving: bool = False) -> bool:
+        """Room under `max_num_seqs` for the request's sequences (n for a parent)."""
+        return self._num_seqs(receiving=receiving) + request.params.n <= self.config.max_num_seqs
+
+    def _num_seqs(self, *, receiving: bool = False) -> int:
+        """Sequences in the running batch (with `receiving`, also those joining it once their KV
+        is in): a parent not yet forked counts as its n choices."""
+        num = len(self.running) + (len(self.receiving_kv) if receiving else 0)
+        counted = (RequestStatus.RUNNING, RequestStatus.RECEIVING_KV) if receiving else (RequestStatus.RUNNING,)
+        for parent in self.parents.values():  # none without n > 1, few with: a parent forks at its first draw
+            if parent.status in counted:
+                num += parent.params.n - 1
+        return num
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """EOS, stop token ids, max_tokens, max_model_len. (Stop strings need text: the caller.)"""

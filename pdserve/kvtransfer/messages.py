@@ -310,8 +310,9 @@ def _field_names(cls: type[Message]) -> tuple[str, ...]:
 # Two validators of one schema (the dataclasses above). The fast one is msgspec: a struct per
 # message class, derived from the dataclass, decoded and type-checked in C, with no Python object
 # per field. Anything it refuses goes through the slow one (`_from_wire`, plain Python over
-# msgpack's output), which has the final word and says what is wrong in our words: a message is
-# accepted only if both accept it, and every refusal reads the same whichever path found it.
+# msgpack's output), which has the final word and says what is wrong in our words. Only one runs on
+# a valid message (the fast one, which accepts nothing the slow one refuses: tests/kvtransfer check
+# it), and every refusal reads the same whichever path found it.
 def decode(data: bytes | memoryview) -> Message:
     """Bytes → a validated message; raises MessageError on anything malformed."""
     if len(data) > MAX_MESSAGE_BYTES:
@@ -361,12 +362,10 @@ def _from_struct(wire: msgspec.Struct) -> Message | None:
 _STRUCT_CLASSES: dict[type, tuple[type[Message], tuple[int, ...]]] = {}  # struct → (class, nested field indexes)
 
 
+@functools.cache  # one struct per class, a nested message's included
 def _struct_for(cls: type[Message]) -> type[msgspec.Struct]:
     """The msgspec struct mirroring `cls`: the same fields and types, `type` as its tag, `version`
     last, unknown fields refused."""
-    for struct, (known, _) in _STRUCT_CLASSES.items():
-        if known is cls:
-            return struct
     fields, nested = [], []
     for i, (name, hint, required) in enumerate(_schema(cls)[0]):
         if isinstance(hint, type) and issubclass(hint, Message):

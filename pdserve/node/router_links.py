@@ -154,20 +154,12 @@ class RouterLinks:
         return [(self.links[addr], TokenBatch.from_tokens(batch.node_id, tokens))
                 for addr, tokens in rows.items() if tokens]
 
-    def maybe_heartbeat(self, make: Callable[[], Heartbeat]) -> None:
-        """Refresh what the heartbeat threads send (at most twice per period): the node's load to
-        every router, and to each only its own requests."""
-        now = time.monotonic()
-        if now - self._last_refresh < self.heartbeat_s / 2:
-            return
-        self._last_refresh = now
-        heartbeat = make()
-        self._forget_unlisted(heartbeat.request_ids)
-        self.set_heartbeat(heartbeat)
+    maybe_heartbeat = RouterLink.maybe_heartbeat  # the same throttle (`_last_refresh`), calling the set_heartbeat below
 
     def set_heartbeat(self, heartbeat: Heartbeat) -> None:
-        """What each router's heartbeat thread sends from now on: `heartbeat`, listing only that
-        router's requests (and those of no known router)."""
+        """What each router's heartbeat thread sends from now on: `heartbeat` (the node's load),
+        listing only that router's requests (and those of no known router)."""
+        self._forget_unlisted(heartbeat.request_ids)
         if len(self.links) == 1:
             next(iter(self.links.values())).set_heartbeat(heartbeat)
             return

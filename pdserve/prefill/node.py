@@ -129,7 +129,7 @@ class PrefillNode:
             self.faults.delay_step()
         stepped = self.engine.step_requests()
         tokens: list[Token] = []
-        forked: dict[str, list[Request]] = {}
+        first_tokens: dict[str, list[Request]] = {}  # request id → it, or its n > 1 choices, just forked
         for request in stepped:
             rid = request.request_id
             if rid in self.colocated:
@@ -137,12 +137,9 @@ class PrefillNode:
                 if request.is_finished:
                     self.colocated.discard(rid)
                 continue
-            if request.parent_id is not None:  # the choices of an n > 1 request, just forked
-                forked.setdefault(request.parent_id, []).append(request)
-                continue
-            self._first_token(request)
-        for parent_id, choices in forked.items():
-            self._first_tokens_of_choices(parent_id, choices)
+            first_tokens.setdefault(request.parent_id or rid, []).append(request)
+        for rid, requests in first_tokens.items():
+            self._first_tokens(rid, requests)
         if tokens:
             self.link.send(TokenBatch.from_tokens(self.node_id, tokens))
 
@@ -161,57 +158,42 @@ class PrefillNode:
         self.timings.append({"request_id": request.request_id, **t})
         return logprobs
 
-    def _first_tokens_of_choices(self, parent_id: str, choices: list[Request]) -> None:
-        """An n > 1 request forked: each choice's first token goes to the router; the KV, once."""
-        msg = self.handoffs.pop(parent_id)
-        origin = self.link.origin(parent_id)
-        choices = sorted(choices, key=lambda c: c.choice_index)
-        firsts = []
-        for choice in choices:
-            self.link.adopt(choice.request_id, origin)
-            firsts.append((choice.output_token_ids[-1], self._send_first_token(choice)))
-        live = [c for c in choices if not c.is_finished]
+    def _first_tokens(self, rid: str, requests: list[Request]) -> None:
+        """Request `rid` sampled its first token (`requests` = [it], or its n > 1 choices): each
+        to the router, then, unless that ended it, its KV to the decode node (once for all the
+        choices), or it decodes here (colocated)."""
+        msg = self.handoffs.pop(rid)
+        forked = requests[0].parent_id is not None
+        if forked:
+            requests = sorted(requests, key=lambda c: c.choice_index)
+            origin = self.link.origin(rid)
+            for choice in requests:
+                self.link.adopt(choice.request_id, origin)
+        firsts = [(r.output_token_ids[-1], self._send_first_token(r)) for r in requests]
+        live = [r for r in requests if not r.is_finished]
         if not live:
             return
-        if not msg.decode_node_id:  # colocated: each choice decodes here
-            self.colocated.update(c.request_id for c in live)
+        if not msg.decode_node_id:  # colocated: decode here
+            self.colocated.update(r.request_id for r in live)
             return
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        for choice in live:
-            sched.detach(choice)
-        block_ids = bm.fork(live[0].request_id, parent_id)  # the shared blocks, under the request id
-        for choice in live:
-            bm.free(choice.request_id)
         first = live[0]
+        block_ids = [self.engine.scheduler.detach(r) for r in live][0]  # the choices' tables: the same blocks
+        choices = {}
+        if forked:  # the shared blocks go back under the request id, transferred once
+            bm = self.engine.block_manager
+            bm.fork(first.request_id, rid)
+            for choice in live:
+                bm.free(choice.request_id)
+            choices = dict(choice_first_tokens=[tok for tok, _ in firsts], choice_first_logprobs=[lp for _, lp in firsts])
         ready = KVReady(
-            request_id=parent_id, prompt_token_ids=first.prompt_token_ids, first_token=firsts[0][0],
+            request_id=rid, prompt_token_ids=first.prompt_token_ids, first_token=firsts[0][0],
             first_logprobs=firsts[0][1], sampling=msg.sampling, num_tokens=first.num_prompt_tokens,
             block_ids=list(block_ids), block_size=self.engine.config.block_size, lease_s=self.sender.lease_s,
-            priority=first.priority, num_prior_output_tokens=first.num_prior_output_tokens, router=origin,
-            choice_first_tokens=[tok for tok, _ in firsts], choice_first_logprobs=[lp for _, lp in firsts],
+            priority=first.priority, num_prior_output_tokens=first.num_prior_output_tokens,
+            router=self.link.origin(rid), **choices,
         )
         self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
-
-    def _first_token(self, request: Request) -> None:
-        rid = request.request_id
-        msg = self.handoffs.pop(rid)
-        t = request.timings
-        logprobs = self._send_first_token(request)
-        if request.is_finished:
-            return
-        if not msg.decode_node_id:  # colocated: decode here
-            self.colocated.add(rid)
-            return
-        block_ids = self.engine.scheduler.detach(request)
-        ready = KVReady(
-            request_id=rid, prompt_token_ids=request.prompt_token_ids, first_token=request.output_token_ids[-1],
-            first_logprobs=logprobs, sampling=request.params.to_dict(), num_tokens=request.num_prompt_tokens,
-            block_ids=list(block_ids), block_size=self.engine.config.block_size, lease_s=self.sender.lease_s,
-            priority=request.priority, num_prior_output_tokens=request.num_prior_output_tokens,
-            router=self.link.origin(rid),
-        )
-        self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
-        t["kv_ready_sent"] = time.time()
+        first.timings["kv_ready_sent"] = time.time()
 
     def _release(self, request_id: str) -> None:
         """The lease table's callback: the decode node has the KV (or never will)."""

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+from pdserve.cli.processes import free_port, stop_processes
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
@@ -48,17 +49,10 @@ def control_addresses(control_addr: str, count: int) -> list[str]:
                          "or a comma list of one address per API server")
     first = int(port)
     if first == 0:
-        return [f"{host}:{_free_port(host[len('tcp://'):])}" for _ in range(count)]
+        return [f"{host}:{free_port(host[len('tcp://'):])}" for _ in range(count)]
     if first + count - 1 > 65535:
         raise ValueError(f"--control-addr: ports {first}..{first + count - 1} do not all exist")
     return [f"{host}:{first + i}" for i in range(count)]
-
-
-def _free_port(host: str) -> int:
-    host = host.strip("[]")
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host if host not in ("*", "") else "0.0.0.0", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -107,19 +101,7 @@ class ApiServers:
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> list[int]:
         """SIGTERM every child (they finish their streams), SIGKILL what outlives `timeout_s`;
         returns the indexes of those killed."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        killed = []
-        for i, proc in enumerate(self.procs):
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                killed.append(i)
-        return killed
+        return stop_processes(self.procs, timeout_s)
 
 
 def run_api_servers(commands: list[list[str]]) -> int:

@@ -18,9 +18,10 @@ A generation request is validated (4xx before any node sees it), submitted, then
 written as they come. A streamed response is only started once the first delta is in, so an
 error before the first token still gets a real HTTP status; after that errors are an SSE
 `data: {"error": ...}` event. A handler sleeps until the router pushes deltas to its request
-(`wait_deltas`), and writes all of them at once; a non-streamed one is woken at the end only.
+(`ChoiceGroup.wait_deltas`: a request is a group of its n choices, router/choices.py, n = 1
+included), and writes all of them at once; a non-streamed one is woken at the end only.
 When the router itself lags, new requests get a 429 (router/saturation.py). Whatever way the handler ends (finished, client gone, cancelled),
-`router.release` runs, and it sends Abort to the nodes if the request had not ended.
+`router.release_choices` runs, and it sends Abort to the nodes if the request had not ended.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
-from pdserve.router.choices import serve_choices
+from pdserve.router.choices import ChoiceGroup
 from pdserve.router.openai_errors import ProtocolError, error_body
-from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id, usage
+from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id
 from pdserve.router.openapi import openapi_spec
 from pdserve.router.registry import node_summary
-from pdserve.router.request_state import RouterError, RouterRequest
+from pdserve.router.request_state import RouterError
 from pdserve.router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -154,17 +155,19 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     fmt_cls = ChatFormat if kind == "chat" else CompletionFormat
     fmt = fmt_cls(request_id, router.served_model_name, include_usage=parsed.stream and parsed.include_usage,
                   top_logprobs=parsed.top_logprobs, return_token_ids=parsed.return_token_ids)
-    if parsed.sampling.n > 1:  # n choices from one prefill (router/choices.py)
-        return await serve_choices(request, router, request_id, parsed, fmt, _ClientWatch)
-    req = await router.submit(request_id, parsed)
+    # n > 1: n choices from one prefill (router/choices.py); n = 1: a group of one
+    if parsed.sampling.n > 1:
+        group = await router.submit_choices(request_id, parsed)
+    else:
+        group = ChoiceGroup(request_id, parsed, [await router.submit(request_id, parsed)])
     try:
         if parsed.stream:
-            return await _stream(request, req, fmt)
-        return await _collect(request, req, fmt)
+            return await _stream(request, group, fmt)
+        return await _collect(request, group, fmt)
     except ConnectionResetError:  # the client went away (a write failed, or _ClientWatch saw it)
         raise asyncio.CancelledError from None  # as aiohttp's handler cancellation would: no 500, no log
     finally:  # on finish a no-op; on disconnect or cancellation it aborts the request on the nodes
-        await router.release(req)
+        await router.release_choices(group)
 
 
 async def _nodes(request: web.Request) -> web.Response:
@@ -207,14 +210,14 @@ class _ClientWatch:
     waiting for its next token). A timer, not a timeout per wait: a wait per step per stream is
     the hot path."""
 
-    def __init__(self, request: web.Request, req: RouterRequest) -> None:
-        self._request, self._req = request, req
+    def __init__(self, request: web.Request, group: ChoiceGroup) -> None:
+        self._request, self._group = request, group
         self._timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._check)
 
     def _check(self) -> None:
         transport = self._request.transport
         if transport is None or transport.is_closing():
-            self._req.interrupt(ConnectionResetError("client disconnected"))
+            self._group.interrupt(ConnectionResetError("client disconnected"))
         self._timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._check)
 
     def cancel(self) -> None:
@@ -225,56 +228,65 @@ def _error_response(error: RouterError) -> web.Response:
     return web.json_response(error_body(error.message, error.status, type=error.type), status=error.status)
 
 
-def _usage(req: RouterRequest) -> dict:
-    return usage(len(req.prompt_token_ids), len(req.output_token_ids))
-
-
-async def _collect(request: web.Request, req: RouterRequest, fmt) -> web.Response:
-    req.wake_each_delta = False  # the handler has nothing to do before the end
-    texts, logprobs = [], []
-    watch = _ClientWatch(request, req)
+async def _collect(request: web.Request, group: ChoiceGroup, fmt) -> web.Response:
+    for choice in group.choices:
+        choice.wake_each_delta = False  # the handler has nothing to do before the end
+    n = len(group.choices)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list] = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    watch = _ClientWatch(request, group)
     try:
-        while True:
-            for delta in await req.wait_deltas():
+        while None in finish:
+            for i, delta in await group.wait_deltas():
                 if delta.error is not None:
                     return _error_response(delta.error)
-                texts.append(delta.text)
-                logprobs.extend(delta.logprobs)
-                if delta.finish_reason is not None:
-                    body = fmt.full("".join(texts), delta.finish_reason, logprobs, _usage(req))
-                    if fmt.return_token_ids:
-                        body["choices"][0]["token_ids"] = list(req.output_token_ids)
-                    return web.json_response(body)
+                texts[i].append(delta.text)
+                logprobs[i].extend(delta.logprobs)
+                finish[i] = delta.finish_reason or finish[i]
     finally:
         watch.cancel()
+    usage_, choices = group.usage(), []
+    for i, req in enumerate(group.choices):
+        body = fmt.full("".join(texts[i]), finish[i], logprobs[i], usage_)
+        choice = body["choices"][0]
+        choice["index"] = i
+        if fmt.return_token_ids:
+            choice["token_ids"] = list(req.output_token_ids)
+        choices.append(choice)
+    body["choices"] = choices
+    return web.json_response(body)
 
 
-async def _stream(request: web.Request, req: RouterRequest, fmt) -> web.StreamResponse:
+async def _stream(request: web.Request, group: ChoiceGroup, fmt) -> web.StreamResponse:
     """Whatever deltas came since the last write go out in one write: one per stream per step
-    while the router keeps up, fewer and bigger when it falls behind."""
-    watch = _ClientWatch(request, req)
+    while the router keeps up, fewer and bigger when it falls behind. Each choice's chunks carry
+    its `index`; one `[DONE]` (after the usage chunk, when asked) once every choice has ended."""
+    watch = _ClientWatch(request, group)
     try:
-        deltas = await req.wait_deltas()
-        if deltas[0].error is not None:  # nothing sent yet: a real status
-            return _error_response(deltas[0].error)
+        items = await group.wait_deltas()
+        if items[0][1].error is not None:  # nothing sent yet: a real status
+            return _error_response(items[0][1].error)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        metrics, first = request.app[ROUTER_KEY].metrics, True
+        metrics, n = request.app[ROUTER_KEY].metrics, len(group.choices)
+        first, ended = [True] * n, [False] * n
         while True:
             start = time.perf_counter()
             events, num_tokens, done = [], 0, False
-            for delta in deltas:
+            for i, delta in items:
                 if delta.error is not None:
                     events.append(_event(error_body(delta.error.message, delta.error.status, type=delta.error.type)))
                     done = True
                     break
-                events.append(fmt.sse(delta, first))
-                first, num_tokens = False, num_tokens + len(delta.token_ids)
+                events.append(fmt.sse(delta, first[i], i))
+                first[i], num_tokens = False, num_tokens + len(delta.token_ids)
                 if delta.finish_reason is not None:
-                    if fmt.include_usage:
-                        events.append(_event(fmt.usage_chunk(_usage(req))))
-                    done = True
-                    break
+                    ended[i] = True
+            if not done and all(ended):
+                if fmt.include_usage:
+                    events.append(_event(fmt.usage_chunk(group.usage())))
+                done = True
             if done:
                 events.append(b"data: [DONE]\n\n")
             data = b"".join(events)
@@ -285,7 +297,7 @@ async def _stream(request: web.Request, req: RouterRequest, fmt) -> web.StreamRe
             metrics.add_stage("write", time.perf_counter() - built, num_tokens)
             if done:
                 break
-            deltas = await req.wait_deltas()
+            items = await group.wait_deltas()
         await resp.write_eof()
         return resp
     finally:

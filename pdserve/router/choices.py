@@ -18,27 +18,24 @@ any choice's deltas, chunks carrying each choice's `index`, usage summed over th
                      then, unless all ended normally, Abort(request id) clears what the nodes
                      still hold under it (a choice cannot be reached by its own id before the fork)
 
-`ParallelSampling` is one part of `Router` (router.py); `serve_choices` is the HTTP side.
+`ParallelSampling` is one part of `Router` (router.py). The HTTP side (app.py) serves every request
+through a `ChoiceGroup`: a request with n = 1 is a group of one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import Callable
-
-from aiohttp import web
 
 from pdserve.engine.request import child_id
 from pdserve.kvtransfer.messages import Abort, Error, PrefillRequest
-from pdserve.router.openai_errors import error_body
 from pdserve.router.openai_responses import usage
 from pdserve.router.registry import Route
 from pdserve.router.request_state import Delta, RouterError, RouterRequest, RouterRequestStatus
 
 
 class ChoiceGroup:
-    """The n choices of one request, as the HTTP side waits for them (`RouterRequest`'s interface)."""
+    """The n choices of one request (n = 1: the request alone), as the HTTP side (app.py) waits for
+    them: one wait for any choice's deltas, usage summed over the choices."""
 
     def __init__(self, request_id: str, parsed, choices: list[RouterRequest]) -> None:
         self.request_id = request_id
@@ -46,13 +43,10 @@ class ChoiceGroup:
         self.choices = choices
         self.node_ids: list[str] = []  # the nodes of the one dispatch
 
-    def _ready(self) -> bool:
-        return any(c.outbox and (c.wake_each_delta or c.status.is_done) for c in self.choices)
-
     async def wait_deltas(self) -> list[tuple[int, Delta]]:
         """(choice index, delta) pushed since the last call, waiting for one if there are none.
         The choices share one waiter, so a delta of any of them wakes the handler."""
-        if not self._ready():
+        if not any(c.ready() for c in self.choices):
             waiter = asyncio.get_running_loop().create_future()
             for c in self.choices:
                 c._waiter = waiter
@@ -104,6 +98,8 @@ class ParallelSampling:
         return await self._send(route.prefill, msg)
 
     async def release_choices(self, group: ChoiceGroup, reason: str = "client disconnected") -> None:
+        """`release` of every choice, then Abort(request id) where the one dispatch went, unless all
+        ended normally (a group of one, n = 1, was never dispatched as a group: `release` alone)."""
         # (before `release` marks the unfinished ones aborted)
         ended_early = any(c.status != RouterRequestStatus.FINISHED or c.stopped_by_router for c in group.choices)
         for choice in group.choices:
@@ -141,100 +137,3 @@ class ParallelSampling:
             else:
                 await self._fail(choice, RouterError(f"node {msg.node_id}: {msg.message}", 500, "InternalServerError"))
         return bool(live)
-
-
-# ---- the HTTP side -------------------------------------------------------------------------------
-async def serve_choices(request: web.Request, router, request_id: str, parsed, fmt,
-                        watch: Callable) -> web.StreamResponse:
-    """/v1/completions or /v1/chat/completions with n > 1; `watch(request, group)` interrupts the
-    wait when the client goes away (app.py's _ClientWatch)."""
-    group = await router.submit_choices(request_id, parsed)
-    try:
-        if parsed.stream:
-            return await _stream(request, group, fmt, watch)
-        return await _collect(request, group, fmt, watch)
-    finally:  # on finish a no-op but for the nodes' leftovers; on disconnect it aborts every choice
-        await router.release_choices(group)
-
-
-def _error_response(error: RouterError) -> web.Response:
-    return web.json_response(error_body(error.message, error.status, type=error.type), status=error.status)
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-async def _collect(request: web.Request, group: ChoiceGroup, fmt, watch: Callable) -> web.Response:
-    for c in group.choices:
-        c.wake_each_delta = False  # nothing to do before a choice ends
-    n = len(group.choices)
-    texts: list[list[str]] = [[] for _ in range(n)]
-    logprobs: list[list] = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    watcher = watch(request, group)
-    try:
-        while None in finish:
-            for i, delta in await group.wait_deltas():
-                if delta.error is not None:
-                    return _error_response(delta.error)
-                texts[i].append(delta.text)
-                logprobs[i].extend(delta.logprobs)
-                finish[i] = delta.finish_reason or finish[i]
-    finally:
-        watcher.cancel()
-    body, usage_ = None, group.usage()
-    choices = []
-    for i, choice_req in enumerate(group.choices):
-        body = fmt.full("".join(texts[i]), finish[i], logprobs[i], usage_)
-        choice = body["choices"][0]
-        choice["index"] = i
-        if fmt.return_token_ids:
-            choice["token_ids"] = list(choice_req.output_token_ids)
-        choices.append(choice)
-    body["choices"] = choices
-    return web.json_response(body)
-
-
-async def _stream(request: web.Request, group: ChoiceGroup, fmt, watch: Callable) -> web.StreamResponse:
-    """Each choice's chunks as the single-choice stream writes them, with its `index`; one
-    `[DONE]` (after the usage chunk, when asked) once every choice has ended."""
-    watcher = watch(request, group)
-    try:
-        items = await group.wait_deltas()
-        error = next((d.error for _, d in items if d.error is not None), None)
-        if error is not None:  # nothing sent yet: a real status
-            return _error_response(error)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        n = len(group.choices)
-        first, ended = [True] * n, [False] * n
-        while True:
-            events, done = [], False
-            for i, delta in items:
-                if delta.error is not None:
-                    events.append(_event(error_body(delta.error.message, delta.error.status, type=delta.error.type)))
-                    done = True
-                    break
-                for chunk in fmt.chunks(delta, first[i]):
-                    for choice in chunk["choices"]:
-                        choice["index"] = i
-                    events.append(_event(chunk))
-                first[i] = False
-                ended[i] = ended[i] or delta.finish_reason is not None
-            if not done and all(ended):
-                if fmt.include_usage:
-                    events.append(_event(fmt.usage_chunk(group.usage())))
-                done = True
-            if done:
-                events.append(b"data: [DONE]\n\n")
-            if events:
-                await resp.write(b"".join(events))
-            if done:
-                break
-            items = await group.wait_deltas()
-        await resp.write_eof()
-        return resp
-    finally:
-        watcher.cancel()
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import uuid
 
@@ -151,6 +150,7 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> int:
     them (router/api_servers.py). Each child gets this command line with its own control
     address, index and the shared instance id and port appended (argparse keeps the last value)."""
     from pdserve.cli.preflight import check_port_free
+    from pdserve.cli.processes import free_port
     from pdserve.router.api_servers import control_addresses, run_api_servers
 
     n = args.api_server_count
@@ -172,9 +172,3 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> int:
     print(f"pdserve router: {n} API servers on http://{args.host}:{port}; nodes register with all of them: "
           f"--router {','.join(addrs)}", flush=True)
     return run_api_servers(commands)
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -69,7 +69,8 @@ class ControlSocket:
     """The bound ROUTER socket, its receive loop and its sends. `addr` is the address really bound
     (the port chosen for ":0"), once `open` ran."""
 
-    def __init__(self, bind_addr: str, *, curve=None, on_refused: OnRefused | None = None) -> None:
+    def __init__(self, bind_addr: str, *, curve=None, on_refused: OnRefused | None = None,
+                 on_token_batch: Callable[[float, int], None] | None = None) -> None:
         self.bind_addr = bind_addr
         self.curve = curve  # kvtransfer.curve.CurveKeys: only nodes holding the cluster's keys get in
         self.on_refused = on_refused or (lambda reason, peer: None)  # (reason, peer): may run in the ZAP thread
@@ -79,8 +80,8 @@ class ControlSocket:
         self._monitor: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket | None = None  # the same socket, for non-blocking reads without a future
         self.backlog: collections.deque[tuple[list[zmq.Frame], float]] = collections.deque()  # (frames, read at)
-        self.num_tokens_decoded = 0  # TokenBatch tokens decoded, and the seconds that took
-        self.decode_s = 0.0
+        # (seconds, tokens) of each TokenBatch decoded: the router's "decode" stage (metrics.py)
+        self.on_token_batch = on_token_batch or (lambda seconds, num_tokens: None)
 
     def open(self) -> str:
         """Bind the socket; returns the bound address."""
@@ -170,8 +171,7 @@ class ControlSocket:
             start = time.perf_counter()
             identity, msg = _decode(frames)
             if type(msg) is TokenBatch:
-                self.num_tokens_decoded += len(msg)
-                self.decode_s += time.perf_counter() - start
+                self.on_token_batch(time.perf_counter() - start, len(msg))
             await handle(identity, msg, peer_key)
         except MessageError as e:
             logger.warning("dropped a message from %r: %s", frames[0][:64], e)

@@ -231,13 +231,11 @@ class _SaturationCollector:
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], value)
             yield gauge
-        seconds = dict(self._metrics.stage_seconds, decode=control.decode_s)
-        tokens = dict(self._metrics.stage_tokens, decode=control.num_tokens_decoded)
         for name, doc, values in (
                 ("pdserve_router_token_stage_seconds", "Router time spent on streamed tokens, by stage "
                  "(decode, detokenize, sse, write); over pdserve_router_token_stage_tokens: time per token",
-                 seconds),
-                ("pdserve_router_token_stage_tokens", "Tokens through each stage", tokens)):
+                 self._metrics.stage_seconds),
+                ("pdserve_router_token_stage_tokens", "Tokens through each stage", self._metrics.stage_tokens)):
             family = CounterMetricFamily(name, doc, labels=["stage"])
             for stage in ROUTER_STAGES:
                 family.add_metric([stage], values[stage])

@@ -59,12 +59,12 @@ class _Format:
         return self._envelope(self.object_chunk, [], usage=usage_)
 
     def _head(self) -> tuple[str, str]:
-        """An event's text before and after its one choice's fields after "index": the envelope
-        of `_chunk` as json.dumps writes it."""
+        """An event's text before its one choice's index and after that choice's fields: the
+        envelope of `_chunk` as json.dumps writes it."""
         if self._sse_head is None:
             before = (f'data: {{"id": {_json_str(self.request_id)}, "object": {_json_str(self.object_chunk)}, '
                       f'"created": {json.dumps(self.created)}, "model": {_json_str(self.model)}, '
-                      f'"choices": [{{"index": 0, ')
+                      f'"choices": [{{"index": ')
             after = '}], "usage": null}\n\n' if self.include_usage else '}]}\n\n'
             self._sse_head = before, after
         return self._sse_head
@@ -93,12 +93,12 @@ class CompletionFormat(_Format):
         return [self._chunk({"index": 0, "text": delta.text, "logprobs": self._logprobs(delta.logprobs),
                              "finish_reason": delta.finish_reason}, delta.token_ids)]
 
-    def sse(self, delta: Delta, first: bool) -> bytes:
-        """`chunks(delta, first)` as SSE events (module docstring)."""
+    def sse(self, delta: Delta, first: bool, index: int = 0) -> bytes:
+        """`chunks(delta, first)` as SSE events, for choice `index` (module docstring)."""
         if not (delta.text or delta.logprobs or delta.finish_reason or self._has_ids(delta)):
             return b""
         before, after = self._head()
-        return f'{before}"text": {_json_str(delta.text)}, {self._tail_fields(delta)}{after}'.encode()
+        return f'{before}{index}, "text": {_json_str(delta.text)}, {self._tail_fields(delta)}{after}'.encode()
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if self.top_logprobs is None:
@@ -127,15 +127,15 @@ class ChatFormat(_Format):
                                     "finish_reason": delta.finish_reason}, delta.token_ids))
         return out
 
-    def sse(self, delta: Delta, first: bool) -> bytes:
-        """`chunks(delta, first)` as SSE events (module docstring)."""
+    def sse(self, delta: Delta, first: bool, index: int = 0) -> bytes:
+        """`chunks(delta, first)` as SSE events, for choice `index` (module docstring)."""
         before, after = self._head()
         out = ""
         if first:
-            out = f'{before}"delta": {{"role": "assistant", "content": ""}}, "logprobs": null, "finish_reason": null{after}'
+            out = f'{before}{index}, "delta": {{"role": "assistant", "content": ""}}, "logprobs": null, "finish_reason": null{after}'
         if delta.text or delta.logprobs or delta.finish_reason or self._has_ids(delta):
             body = f'{{"content": {_json_str(delta.text)}}}' if delta.text else "{}"
-            out += f'{before}"delta": {body}, {self._tail_fields(delta)}{after}'
+            out += f'{before}{index}, "delta": {body}, {self._tail_fields(delta)}{after}'
         return out.encode()
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:

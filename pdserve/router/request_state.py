@@ -21,7 +21,7 @@ skips the buffer) and detokenizes it in rounds of one token per request, so a st
 a request at the token that completed it, exactly as token-by-token delivery would.
 
 The HTTP side reads a request's output from its outbox: the router `push`es one delta per
-request per batch, and the handler (`wait_deltas`) takes everything pushed since it last ran;
+request per batch, and the handler (`ChoiceGroup.wait_deltas`, choices.py) takes everything pushed since it last ran;
 a non-streamed request's handler is only woken at the end.
 
 Attempts. When a node holding the request dies (or a KV transfer fails) the router re-dispatches
@@ -238,18 +238,12 @@ class RouterRequest:
         out, self.outbox = self.outbox, []
         return out
 
-    async def wait_deltas(self) -> list[Delta]:
-        """The deltas pushed since the last call, waiting for one if there are none."""
-        if not self.outbox or not (self.wake_each_delta or self.status.is_done):
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self.take_deltas()
+    def ready(self) -> bool:
+        """The outbox holds what the HTTP side should take now."""
+        return bool(self.outbox) and (self.wake_each_delta or self.status.is_done)
 
     def interrupt(self, error: BaseException) -> None:
-        """Raise `error` in the HTTP side's `wait_deltas` (its client went away)."""
+        """Raise `error` in the HTTP side's wait (`ChoiceGroup.wait_deltas`; its client went away)."""
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(error)
 

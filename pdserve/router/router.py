@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -74,7 +75,8 @@ class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
         self.lost_after_s = lost_after_s if lost_after_s is not None else 2 * heartbeat_timeout_s
         self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate and encrypt the control socket
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.control = ControlSocket(control_addr, curve=curve, on_refused=self._on_auth_refused)
+        self.control = ControlSocket(control_addr, curve=curve, on_refused=self._on_auth_refused,
+                                     on_token_batch=functools.partial(self.metrics.add_stage, "decode"))
         self.requests: dict[str, RouterRequest] = {}  # in flight (dispatched, not ended), by wire id
         self._reregister_sent: dict[str, float] = {}  # node id → when we last asked it to register
         self.node_keys: dict[str, str] = {}  # CURVE only: node id → the z85 public key it registered with

@@ -53,9 +53,8 @@ class Saturation:
         """The worst lag of the last LAG_WINDOW_S, or how overdue the next probe is if that is worse
         (a loop stuck in one long turn has no probe to show for it yet)."""
         now = time.monotonic()
-        overdue = now - self._last_probe - PROBE_INTERVAL_S if self._last_probe is not None else 0.0
         recent = max((lag for when, lag, _ in self._probes if now - when <= LAG_WINDOW_S), default=0.0)
-        return max(recent, overdue, 0.0)
+        return max(recent, self._stalled_s(), 0.0)
 
     def _stalled_s(self) -> float:
         return time.monotonic() - self._last_probe - PROBE_INTERVAL_S if self._last_probe is not None else 0.0

@@ -3,6 +3,7 @@ generate in float32, KV leaves no block behind, first tokens do not wait for the
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import urllib.request
@@ -105,18 +106,22 @@ def test_openai_client_both_endpoints(stack, model_dir):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
-def test_client_disconnect_aborts_on_both_nodes(stack):
-    body = {"prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(stack.url + "/v1/completions", __import__("json").dumps(body).encode(),
+def leave_mid_stream(stack, body: dict, num_events: int) -> None:
+    """Stream a completion of `body` and hang up after `num_events` events (a client that goes away)."""
+    req = urllib.request.Request(stack.url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json"})
-    r = urllib.request.urlopen(req, timeout=60)
-    seen = 0
-    for raw in r:
-        if raw.startswith(b"data: {"):
-            seen += 1
-            if seen == 3:
-                break
-    r.close()  # the client goes away mid-stream
+    with urllib.request.urlopen(req, timeout=60) as r:
+        seen = 0
+        for raw in r:
+            if raw.startswith(b"data: {"):
+                seen += 1
+                if seen == num_events:
+                    break
+
+
+def test_client_disconnect_aborts_on_both_nodes(stack):
+    leave_mid_stream(stack, {"prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 0, "ignore_eos": True},
+                     num_events=3)
     assert_idle(stack)
 
 

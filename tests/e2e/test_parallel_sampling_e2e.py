@@ -5,14 +5,11 @@ choice; a client that leaves mid-stream leaves no block, lease or request behind
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 import pytest
 
 from pdserve.bench.stack import Stack
 from tests.e2e.conftest import hf_greedy, prompts
-from tests.e2e.test_disaggregated import SMALL_POOL, assert_idle
+from tests.e2e.test_disaggregated import SMALL_POOL, assert_idle, leave_mid_stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 MAX_TOKENS = 10
@@ -94,16 +91,6 @@ def test_openai_client_gets_n_choices(stack):
 
 
 def test_client_disconnect_aborts_every_choice(stack):
-    body = {"prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 1.0, "ignore_eos": True, "stream": True,
-            "n": 4}
-    req = urllib.request.Request(stack.url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    r = urllib.request.urlopen(req, timeout=60)
-    seen = 0
-    for raw in r:
-        if raw.startswith(b"data: {"):
-            seen += 1
-            if seen == 12:
-                break
-    r.close()  # the client goes away mid-stream
+    leave_mid_stream(stack, {"prompt": list(range(3, 60)), "max_tokens": 400, "temperature": 1.0, "ignore_eos": True,
+                             "n": 4}, num_events=12)
     assert_idle(stack)

@@ -106,6 +106,39 @@ def test_swap_out_and_in_round_trip():
     assert_no_leak(bm)
 
 
+def _hold(bm, tokens: dict[str, list[int]], rid: str, seq: list[int], hits=()) -> None:
+    """Allocate and cache `seq` for `rid` when it fits (a first allocation with its prefix hits,
+    or a grow)."""
+    if bm.can_allocate(rid, len(seq), hits):
+        bm.allocate(rid, len(seq), hits)
+        bm.cache_full_blocks(rid, seq, len(seq))
+        tokens[rid] = seq
+
+
+def _alloc_free_or_swap(bm, tokens: dict[str, list[int]], op: str, rid: str, new_seq: list[int]) -> None:
+    """The operations both properties below run: alloc (`new_seq`, with its prefix hits), free,
+    swap out and back in; any other op is the caller's."""
+    if op == "alloc" and rid not in tokens and rid not in bm.host_tables:
+        _hold(bm, tokens, rid, new_seq, bm.get_computed_blocks(new_seq))
+    elif op == "free":
+        bm.free(rid)
+        bm.free_host(rid)
+        tokens.pop(rid, None)
+    elif op == "swap" and rid in tokens and bm.can_swap_out(rid):
+        seq = tokens.pop(rid)
+        bm.swap_out(rid)
+        if bm.can_swap_in(rid, len(seq)):
+            bm.swap_in(rid, len(seq))
+            tokens[rid] = seq
+
+
+def _free_everything(bm, tokens: dict[str, list[int]]) -> None:
+    for rid in list(tokens) + list(bm.host_tables):
+        bm.free(rid)
+        bm.free_host(rid)
+    assert_no_leak(bm)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "grow", "free", "swap"]), st.integers(0, 5),
                           st.integers(1, 12), st.integers(0, 2)), max_size=60))
@@ -116,34 +149,12 @@ def test_random_operations_keep_the_books_balanced(ops):
     tokens: dict[str, list[int]] = {}
     for op, who, n, alphabet in ops:
         rid = f"r{who}"
-        if op == "alloc" and rid not in tokens and rid not in bm.host_tables:
-            seq = [(i * (alphabet + 1)) % 3 for i in range(n)]  # small alphabet: prefixes collide
-            hits = bm.get_computed_blocks(seq)
-            if bm.can_allocate(rid, len(seq), hits):
-                bm.allocate(rid, len(seq), hits)
-                bm.cache_full_blocks(rid, seq, len(seq))
-                tokens[rid] = seq
-        elif op == "grow" and rid in tokens:
-            seq = tokens[rid] + [n % 3] * (n % 4 + 1)
-            if bm.can_allocate(rid, len(seq)):
-                bm.allocate(rid, len(seq))
-                bm.cache_full_blocks(rid, seq, len(seq))
-                tokens[rid] = seq
-        elif op == "free":
-            bm.free(rid)
-            bm.free_host(rid)
-            tokens.pop(rid, None)
-        elif op == "swap" and rid in tokens and bm.can_swap_out(rid):
-            seq = tokens.pop(rid)
-            bm.swap_out(rid)
-            if bm.can_swap_in(rid, len(seq)):
-                bm.swap_in(rid, len(seq))
-                tokens[rid] = seq
+        if op == "grow" and rid in tokens:
+            _hold(bm, tokens, rid, tokens[rid] + [n % 3] * (n % 4 + 1))
+        else:  # small alphabet: prefixes collide
+            _alloc_free_or_swap(bm, tokens, op, rid, [(i * (alphabet + 1)) % 3 for i in range(n)])
         bm.check_invariants()
-    for rid in list(tokens) + list(bm.host_tables):
-        bm.free(rid)
-        bm.free_host(rid)
-    assert_no_leak(bm)
+    _free_everything(bm, tokens)
 
 
 @settings(max_examples=150, deadline=None)
@@ -158,14 +169,7 @@ def test_speculative_grow_and_rollback_keep_the_books_balanced(ops):
     tokens: dict[str, list[int]] = {}
     for op, who, n, accepted in ops:
         rid = f"r{who}"
-        if op == "alloc" and rid not in tokens and rid not in bm.host_tables:
-            seq = [(i * (who + 1)) % 3 for i in range(n)]
-            hits = bm.get_computed_blocks(seq)
-            if bm.can_allocate(rid, len(seq), hits):
-                bm.allocate(rid, len(seq), hits)
-                bm.cache_full_blocks(rid, seq, len(seq))
-                tokens[rid] = seq
-        elif op == "spec" and rid in tokens:
+        if op == "spec" and rid in tokens:
             k = n % 5
             seq = tokens[rid]
             if bm.can_allocate(rid, len(seq) + 1 + k):
@@ -175,18 +179,7 @@ def test_speculative_grow_and_rollback_keep_the_books_balanced(ops):
                 bm.trim(rid, len(seq))
                 assert len(bm.block_ids(rid)) == bm.num_blocks_for(len(seq))
                 tokens[rid] = seq
-        elif op == "free":
-            bm.free(rid)
-            bm.free_host(rid)
-            tokens.pop(rid, None)
-        elif op == "swap" and rid in tokens and bm.can_swap_out(rid):
-            seq = tokens.pop(rid)
-            bm.swap_out(rid)
-            if bm.can_swap_in(rid, len(seq)):
-                bm.swap_in(rid, len(seq))
-                tokens[rid] = seq
+        else:
+            _alloc_free_or_swap(bm, tokens, op, rid, [(i * (who + 1)) % 3 for i in range(n)])
         bm.check_invariants()
-    for rid in list(tokens) + list(bm.host_tables):
-        bm.free(rid)
-        bm.free_host(rid)
-    assert_no_leak(bm)
+    _free_everything(bm, tokens)

@@ -106,6 +106,18 @@ def test_a_parent_counts_n_against_max_num_seqs():
     assert_no_leak(sched.block_manager)
 
 
+def test_a_parent_in_chunked_prefill_counts_n_for_every_admission():
+    """While an n = 3 parent prefills over several steps, an n = 1 request must not take a seat its
+    choices need: the batch never exceeds max_num_seqs, before or after the fork."""
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=4)
+    sched.add_request(make_request(num_tokens=10, max_tokens=3, n=3))
+    sched.add_request(make_request(num_tokens=2, max_tokens=3))
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        assert len(out.scheduled) <= 3 and len(sched.running) <= 3
+    assert_no_leak(sched.block_manager)
+
+
 def test_aborting_the_parent_id_aborts_every_choice():
     sched = make_scheduler(num_blocks=64, block_size=4)
     req = make_request(num_tokens=10, max_tokens=20, n=3)

@@ -108,27 +108,42 @@ def make_engine(model_dir):
     return LLMEngine(EngineConfig(model_path=model_dir, dtype="float32", num_kv_blocks=64, num_threads=1))
 
 
-def test_handoff_moves_node_metrics(tiny_llama, no_leak):
-    from pdserve.decode.node import DecodeNode
-    from pdserve.kvtransfer.receiver import KVReceiver
-    from pdserve.kvtransfer.sender import KVSender
-    from pdserve.node.messages import kv_layout, register_message
-    from pdserve.prefill.node import PrefillNode
+class NodePair:
+    """A prefill node and a decode node on one tiny model, in process (KV over ZMQ); a ROUTER
+    socket stands in for the router and takes what the nodes send."""
 
-    router = zmq.Context.instance().socket(zmq.ROUTER)  # stands in for the router: takes what nodes send
-    router.bind("tcp://127.0.0.1:*")
-    addr = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    pe, de = make_engine(tiny_llama), make_engine(tiny_llama)
-    for engine in (pe, de):
-        engine.warm_up()
-        assert engine.block_manager.num_prefix_queries == 0 and engine.block_manager.num_used_blocks == 0
-    prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")),
-                          make_sender=lambda release, on_error: KVSender("p0", kv_layout(pe, "tiny"),
-                                                                         pe.runner.kv_buffer, release))
-    receiver = KVReceiver("d0", kv_layout(de, "tiny"), de.runner.kv_buffer)
-    decode = DecodeNode(de, RouterLink(addr, register_message("d0", "decode", de, "tiny")), receiver)
+    def __init__(self, model_dir):
+        from pdserve.decode.node import DecodeNode
+        from pdserve.kvtransfer.receiver import KVReceiver
+        from pdserve.kvtransfer.sender import KVSender
+        from pdserve.node.messages import kv_layout, register_message
+        from pdserve.prefill.node import PrefillNode
+
+        self.router = zmq.Context.instance().socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        addr = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        pe, de = make_engine(model_dir), make_engine(model_dir)
+        self.prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")),
+                                   make_sender=lambda release, on_error: KVSender(
+                                       "p0", kv_layout(pe, "tiny"), pe.runner.kv_buffer, release))
+        self.receiver = KVReceiver("d0", kv_layout(de, "tiny"), de.runner.kv_buffer)
+        self.decode = DecodeNode(de, RouterLink(addr, register_message("d0", "decode", de, "tiny")), self.receiver)
+
+    def close(self):
+        for closer in (self.prefill.sender, self.receiver, self.prefill.link, self.decode.link):
+            closer.close()
+        self.router.close(0)
+
+
+def test_handoff_moves_node_metrics(tiny_llama, no_leak):
+    nodes = NodePair(tiny_llama)
+    prefill, decode, receiver = nodes.prefill, nodes.decode, nodes.receiver
+    pe, de = prefill.engine, decode.engine
     prompt = list(range(3, 40))
     try:
+        for engine in (pe, de):
+            engine.warm_up()
+            assert engine.block_manager.num_prefix_queries == 0 and engine.block_manager.num_used_blocks == 0
         prefill.handle(PrefillRequest("r1", prompt, {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
                                       "d0", receiver.kv_addr))
         queued = samples(prefill.metrics.render())  # before any step: the whole prompt is outstanding
@@ -139,9 +154,7 @@ def test_handoff_moves_node_metrics(tiny_llama, no_leak):
             decode.run_once()
         p, d = samples(prefill.metrics.render()), samples(decode.metrics.render())
     finally:
-        for closer in (prefill.sender, receiver, prefill.link, decode.link):
-            closer.close()
-        router.close(0)
+        nodes.close()
     num_bytes = len(prompt) * pe.model_config.kv_elements_per_token * 4
     dl = {"node_id": "d0", "role": "decode"}
     assert value(p, "pdserve_prefix_cache_queries_total", **NODE | {"node_id": "p0"}) == len(prompt)

@@ -8,36 +8,20 @@ from __future__ import annotations
 import time
 
 import pytest
-import zmq
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.request import child_id
 from pdserve.kvtransfer.messages import Abort, FirstToken, PrefillRequest, TokenBatch, decode
 from tests.conftest import assert_no_leak
 from tests.engine.test_generate_parity import hf_greedy, make_prompts
-from tests.kvtransfer.test_node_metrics import make_engine, samples, value
+from tests.kvtransfer.test_node_metrics import NodePair, samples, value
 
 
-class Pair:
-    """A prefill node and a decode node on one tiny model; a ROUTER socket stands in for the router."""
+class Pair(NodePair):
+    """The node pair, and what the router would have received from it."""
 
     def __init__(self, model_dir):
-        from pdserve.decode.node import DecodeNode
-        from pdserve.kvtransfer.receiver import KVReceiver
-        from pdserve.kvtransfer.sender import KVSender
-        from pdserve.node.messages import kv_layout, register_message
-        from pdserve.node.router_link import RouterLink
-        from pdserve.prefill.node import PrefillNode
-
-        self.router = zmq.Context.instance().socket(zmq.ROUTER)
-        self.router.bind("tcp://127.0.0.1:*")
-        addr = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        pe, de = make_engine(model_dir), make_engine(model_dir)
-        self.prefill = PrefillNode(pe, RouterLink(addr, register_message("p0", "prefill", pe, "tiny")),
-                                   make_sender=lambda release, on_error: KVSender(
-                                       "p0", kv_layout(pe, "tiny"), pe.runner.kv_buffer, release))
-        self.receiver = KVReceiver("d0", kv_layout(de, "tiny"), de.runner.kv_buffer)
-        self.decode = DecodeNode(de, RouterLink(addr, register_message("d0", "decode", de, "tiny")), self.receiver)
+        super().__init__(model_dir)
         self.outputs: dict[str, dict[int, int]] = {}  # wire id → output index → token
         self.finished: dict[str, str] = {}
         self.first_tokens: list[FirstToken] = []
@@ -78,11 +62,6 @@ class Pair:
     def tokens(self, rid):
         got = self.outputs.get(rid, {})
         return [got[i] for i in range(len(got))]
-
-    def close(self):
-        for closer in (self.prefill.sender, self.receiver, self.prefill.link, self.decode.link):
-            closer.close()
-        self.router.close(0)
 
 
 @pytest.fixture

@@ -36,9 +36,21 @@ class FakeRouter:
     def recv_all(self, wait_s: float = 0.3) -> list:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            if self.sock.poll(20):
-                self.received.append(decode(self.sock.recv_multipart()[1]))
+            self._recv(20)
         return self.received
+
+    def wait_for(self, *kinds: type, timeout_s: float = 5.0) -> bool:
+        """Receive until a message of each of `kinds` has arrived (now or before); False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while not all(any(isinstance(m, kind) for m in self.received) for kind in kinds):
+            if time.monotonic() >= deadline:
+                return False
+            self._recv(20)
+        return True
+
+    def _recv(self, timeout_ms: int) -> None:
+        if self.sock.poll(timeout_ms):
+            self.received.append(decode(self.sock.recv_multipart()[1]))
 
     def send(self, msg) -> None:
         self.sock.send_multipart([b"n0", msg.encode()])
@@ -73,6 +85,13 @@ def two_routers():
     routers = [FakeRouter(), FakeRouter()]
     links = make_links([r.addr for r in routers])
     links.register()
+    # Connected both ways before a test starts: a router's send to a node it has not yet heard
+    # from raises (ROUTER_MANDATORY), and a router that closes before the node's link saw it
+    # connect is never reported lost.
+    assert all(r.wait_for(Register) for r in routers)
+    deadline = time.monotonic() + 5
+    while any(link.connected is not True for link in links.links.values()) and time.monotonic() < deadline:
+        links.poll(20)
     yield routers, links
     links.close()
     for r in routers:
@@ -90,8 +109,8 @@ def test_each_router_gets_its_own_tokens_errors_and_heartbeat_lists(two_routers)
     links.send(FirstToken("rb", 20))
     links.send(Error("ra", "n0", "boom", retryable=True))
     links.maybe_heartbeat(lambda: heartbeat(["ra", "rb"]))
-    time.sleep(0.35)  # a few heartbeat periods
-    got_a, got_b = a.recv_all(), b.recv_all()
+    assert a.wait_for(TokenBatch, Error, Heartbeat) and b.wait_for(TokenBatch, FirstToken, Heartbeat)
+    got_a, got_b = a.recv_all(), b.recv_all()  # and a few heartbeat periods more
     batches_a = [m for m in got_a if isinstance(m, TokenBatch)]
     batches_b = [m for m in got_b if isinstance(m, TokenBatch)]
     assert [(t.request_id, t.token_id) for m in batches_a for t in m.tokens()] == [("ra", 11), ("ra", 12)]
@@ -130,6 +149,7 @@ def test_a_decode_node_learns_the_router_from_the_kv_ready(two_routers):
     (a, b), links = two_routers
     links.adopt("rb", b.addr)
     links.send(TokenBatch.from_tokens("n0", [Token("rb", 1, 21)]))
+    assert b.wait_for(TokenBatch)
     assert not any(isinstance(m, TokenBatch) for m in a.recv_all())
     assert [t.request_id for m in b.recv_all() if isinstance(m, TokenBatch) for t in m.tokens()] == ["rb"]
 
@@ -138,6 +158,7 @@ def test_a_request_of_no_known_router_goes_to_every_router(two_routers):
     (a, b), links = two_routers
     links.adopt("rx", "tcp://10.9.9.9:1")  # a peer naming a router this node does not know
     links.send(TokenBatch.from_tokens("n0", [Token("rx", 1, 5)]))
+    assert a.wait_for(TokenBatch) and b.wait_for(TokenBatch)
     for r in (a, b):
         assert [t.request_id for m in r.recv_all() if isinstance(m, TokenBatch) for t in m.tokens()] == ["rx"]
 
@@ -146,6 +167,7 @@ def test_origins_of_requests_no_heartbeat_lists_are_forgotten(two_routers):
     (a, b), links = two_routers
     a.send(prefill_request("ra"))
     poll_until(links, 1)
+    assert links.origins == {"ra": a.addr}
     for _ in range(2):  # two refreshes in a row without it
         links._last_refresh = 0.0
         links.maybe_heartbeat(lambda: heartbeat([]))
@@ -167,7 +189,7 @@ def test_routers_found_later_in_dns_are_registered_with():
         discovery.resolve_now()
         links.poll(0)
         assert list(links.links) == [first.addr, later.addr]
-        assert any(isinstance(m, Register) for m in later.recv_all())
+        assert later.wait_for(Register)
         answers["routers"] = ["127.0.0.3"]
         discovery.resolve_now()
         first.close()  # gone from DNS and disconnected: dropped
@@ -237,7 +259,7 @@ def test_every_router_address_passes_the_exposure_check():
 def test_a_request_adopted_from_a_dead_router_is_aborted(two_routers):
     """A KVReady that was on its way when its router died: the decode node frees it at once."""
     (a, b), links = two_routers
-    a.close()
+    a.close()  # the fixture saw it connect, so its closing is seen
     deadline = time.monotonic() + 5
     while links.links[a.addr].connected is not False and time.monotonic() < deadline:
         links.poll(20)
