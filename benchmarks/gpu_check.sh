@@ -22,8 +22,10 @@
 #     cuda_ipc_tests             15   a peer process maps the KV pool by CUDA IPC handle
 #     kv_transfer_bench          15   pool-to-pool KV copy rate, 2,048 tokens of the 1B shape
 #     gpu_disagg_e2e             40   prefill + decode processes over CUDA IPC equal a colocated run
+#     tp_tests                  (40)  tensor parallelism on NCCL: only with 2+ GPUs, else recorded
+#                                     as skipped with the reason (the H200 machine has one GPU)
 #                               ---
-#                               300
+#                               300 (+40 with 2+ GPUs)
 #
 # The CPU tiers of tests/kernels (Triton interpreter, sm_90 compile) run in `make test` anywhere.
 set -u
@@ -92,6 +94,18 @@ stage offline_vs_hf_128 40 "$PY" -m benchmarks.offline --model /tmp/llama1b --de
 stage cuda_ipc_tests 15 "$PY" -m pytest tests/kvtransfer/test_cuda_ipc.py -q -p no:cacheprovider
 stage kv_transfer_bench 15 "$PY" -m benchmarks.kv_transfer --json "$OUT/kv_transfer.json"
 stage gpu_disagg_e2e 40 "$PY" -m pytest tests/e2e/test_gpu_disagg.py -q -p no:cacheprovider
+
+# (6) Tensor parallelism on NCCL (engine/parallel/): TP 2 against TP 1 offline, on as many GPUs as
+# there are (at least 2). One GPU: the stage is recorded as skipped, with the reason.
+NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${NUM_GPUS:-0}" -ge 2 ]; then
+    stage tp_tests 40 "$PY" -m pytest tests/engine/test_tp_offline.py -q -m gpu -p no:cacheprovider
+else
+    echo "== tp_tests: skipped (tensor parallelism needs 2+ GPUs; this machine has ${NUM_GPUS:-0})"
+    printf '{"stage": "tp_tests", "rc": 0, "seconds": 0, "timed_out": false, "skipped": "%s"}\n' \
+        "tensor parallelism needs 2+ GPUs; this machine has ${NUM_GPUS:-0}" > "$OUT/tp_tests.json"
+    STAGES+=("tp_tests")
+fi
 
 # Summary: every stage's record in one file; exit 1 when any stage failed.
 failed=0

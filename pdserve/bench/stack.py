@@ -96,13 +96,16 @@ class Stack(HttpClient):
     SIGKILL after 60 s)."""
 
     def __init__(self, model: str, *, num_prefill: int = 1, num_decode: int = 1, colocated: bool = False,
-                 num_nodes: int = 1, extra: list[str] = (), prefill_args: str = "", decode_args: str = "",
-                 timeout: float = 240.0) -> None:
+                 num_nodes: int = 1, extra: list[str] = (), prefill_args: str | list[str] = "",
+                 decode_args: str | list[str] = "", timeout: float = 240.0) -> None:
+        """`prefill_args`/`decode_args`: one string for every node of the role, or one per node."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pdserve.cli.main", "serve", "--model", model, "--port", str(self.port),
-               "--dtype", "float32", "--num-threads", "1", "--log-level", "WARNING",
-               "--prefill-args", prefill_args, "--decode-args", decode_args, *extra]
+               "--dtype", "float32", "--num-threads", "1", "--log-level", "WARNING"]
+        for flag, values in (("--prefill-args", prefill_args), ("--decode-args", decode_args)):
+            cmd += [f"{flag}={value}" for value in ([values] if isinstance(values, str) else values)]
+        cmd += list(extra)
         cmd += ["--colocated", "--num-nodes", str(num_nodes)] if colocated else [
             "--num-prefill", str(num_prefill), "--num-decode", str(num_decode)]
         # Nodes set torch's threads from --num-threads; OMP_NUM_THREADS=1 keeps everything else in

@@ -56,7 +56,8 @@ LAZY_COMMANDS = {
 ENGINE_ARG_NAMES = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",
                     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
                     "enable_chunked_prefill", "swap_space_gb", "num_threads", "enforce_eager", "seed",
-                    *SCHEDULING_ARG_NAMES, "speculative_config")
+                    *SCHEDULING_ARG_NAMES, "speculative_config", "tensor_parallel_size", "tp_timeout_s",
+                    "tp_startup_timeout_s")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
@@ -88,7 +89,8 @@ def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> N
     g.add_argument("--swap-space-gb", type=float, default=0.0,
                    help="host memory for swapped-out requests; 0 = preempt by recompute (default: %(default)s)")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads for this process (default: torch's choice)")
+                   help="torch threads for this process, per rank with --tensor-parallel-size (default: torch's "
+                        "choice; with tensor parallelism on the CPU, the CPUs divided among the ranks)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode without CUDA graphs (default: off)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler's draws (default: %(default)s)")
@@ -97,6 +99,15 @@ def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> N
                    help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 3}\' or \'{"model": DRAFT_PATH, "num_speculative_tokens": 4}\' '
                         "(default: off)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split the model (Megatron), one process each: heads, MLP rows and vocab "
+                        "(default: %(default)s)")
+    g.add_argument("--tp-timeout-s", type=float, default=60.0,
+                   help="tensor parallelism: seconds a collective may take before the node fails "
+                        "(default: %(default)s)")
+    g.add_argument("--tp-startup-timeout-s", type=float, default=120.0,
+                   help="tensor parallelism: seconds each start-up phase of the worker ranks may take "
+                        "(default: %(default)s)")
 
 
 def speculative_config_arg(text: str) -> str:
@@ -193,11 +204,16 @@ def main(argv: list[str] | None = None) -> int:
 
             return importlib.import_module(LAZY_COMMANDS[argv[0]]).main(argv[1:])
         args = build_parser().parse_args(argv)
+        from pdserve.engine.parallel.errors import TPWorkerError
+
         try:
             return args.func(args)
         except ValueError as e:  # bad input (a model path, a prompt too long): a clear line, not a traceback
             print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
             return 2
+        except TPWorkerError as e:  # a tensor-parallel rank that never came up or died
+            print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+            return 1
     except KeyboardInterrupt:
         return 130
 

@@ -59,10 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--colocated", action="store_true",
                    help="nodes that prefill and decode their own requests, no KV transfer (default: off)")
     g.add_argument("--num-nodes", type=int, default=1, help="with --colocated: how many nodes (default: %(default)s)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch threads per node (default: cores / nodes)")
-    g.add_argument("--prefill-args", default="",
-                   help="extra flags for prefill (and colocated) nodes, e.g. '--max-num-seqs 64' (default: none)")
-    g.add_argument("--decode-args", default="", help="extra flags for decode nodes (default: none)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads per node, per rank with --tensor-parallel-size (default: cores / ranks of "
+                        "every node)")
+    g.add_argument("--prefill-args", action="append", default=None,
+                   help="extra flags for prefill (and colocated) nodes, e.g. '--max-num-seqs 64'; given more "
+                        "than once, node i gets the i-th (the last one for the rest), e.g. a different "
+                        "--tensor-parallel-size per node (default: none)")
+    g.add_argument("--decode-args", action="append", default=None,
+                   help="extra flags for decode nodes; repeatable like --prefill-args (default: none)")
     g.add_argument("--router-args", default="",
                    help="extra flags for the router, e.g. '--request-timeout 60' (default: none)")
     g.add_argument("--api-key", default=None,
@@ -97,22 +101,41 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
     common = ["--model", args.model, "--log-level", args.log_level, *named, *secure,
               *engine_argv(args, parser, skip=("num_threads",))]
     roles = [("both", args.num_nodes)] if args.colocated else [("prefill", args.num_prefill), ("decode", args.num_decode)]
-    num_nodes = sum(n for _, n in roles)
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_nodes)
+    extras = {role: [node_args(args, role, i) for i in range(count)] for role, count in roles}
+    # A node with --tensor-parallel-size N runs N ranks, each with --num-threads threads.
+    num_ranks = sum(tp_size([*common, *extra]) for per_role in extras.values() for extra in per_role)
+    threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_ranks)
     procs = [("router", py + ["pdserve.router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
                               "--instance-id", instance_id, "--log-level", args.log_level, "--model", args.model,
                               *named, *secure, *(["--api-key", args.api_key] if args.api_key else []), *many,
                               *shlex.split(args.router_args)])]
     for role, count in roles:
         module = "pdserve.decode" if role == "decode" else "pdserve.prefill"
-        extra = shlex.split(args.decode_args if role == "decode" else args.prefill_args)
         for i in range(count):
             argv = py + [module, "--router", control, "--node-id", f"{role}-{i}", "--num-threads", str(threads),
-                         *common, *extra]
+                         *common, *extras[role][i]]
             if role == "both":
                 argv += ["--role", "both"]
             procs.append((f"{role}-{i}", argv))
     return procs
+
+
+def node_args(args: argparse.Namespace, role: str, index: int) -> list[str]:
+    """Node `index` of `role`'s own flags: the index-th --prefill-args/--decode-args (the last one
+    for the nodes past the list)."""
+    values = (args.decode_args if role == "decode" else args.prefill_args) or [""]
+    return shlex.split(values[min(index, len(values) - 1)])
+
+
+def tp_size(argv: list[str]) -> int:
+    """The --tensor-parallel-size (or -tp) a node's flags give it, the last one winning; 1 without."""
+    size = 1
+    for i, token in enumerate(argv):
+        name, eq, value = token.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "1")
+            size = int(value) if value.isdigit() and int(value) > 0 else 1
+    return size
 
 
 def is_our_router_healthy(url: str, instance_id: str) -> bool:
@@ -242,10 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --port: {args.port} is not a port number (1..65535)")
     if args.api_server_count < 1:
         parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
-    role_args = {"--prefill-args": args.prefill_args, "--decode-args": args.decode_args,
-                 "--router-args": args.router_args}
-    error = (check_role_args({flag: value for flag, value in role_args.items() if value}, args.zmq_curve_keys)
-             or check_draft_model(args.speculative_config))
+    role_args = [("--prefill-args", value) for value in args.prefill_args or []]
+    role_args += [("--decode-args", value) for value in args.decode_args or []]
+    role_args += [("--router-args", args.router_args)]
+    error = next((e for flag, value in role_args if value and (e := check_role_args({flag: value}, args.zmq_curve_keys))),
+                 None) or check_draft_model(args.speculative_config)
     if error:
         print(f"pdserve serve: error: {error}", file=sys.stderr)
         return 2

@@ -26,13 +26,14 @@ def build_node(setup):
     from pdserve.cli.main import build_engine
     from pdserve.decode.node import DecodeNode
     from pdserve.kvtransfer.receiver import KVReceiver
-    from pdserve.node.messages import kv_layout
+    from pdserve.node.messages import kv_layout, kv_shards
     from pdserve.node.router_link import advertised_addr
 
     args = setup.args
     engine = build_engine(args)
-    receiver = setup.close_later(KVReceiver(
-        setup.node_id, kv_layout(engine, setup.served_model_name), engine.runner.kv_buffer,
+    setup.close_later(engine)  # a tensor-parallel node's ranks stop with it
+    receiver = setup.close_later(KVReceiver(  # every rank's pool: a transfer fills each with its heads
+        setup.node_id, kv_layout(engine, setup.served_model_name), kv_shards(engine),
         bind_addr=f"tcp://{args.host}:{args.kv_port}", pull_timeout_s=args.kv_pull_timeout, curve=setup.curve))
     link = setup.router_link(engine, kv_addr=advertised_addr(receiver.kv_addr, setup.host))
     return DecodeNode(engine, link, receiver, max_queue_len=args.max_queue_len, faults=setup.faults)

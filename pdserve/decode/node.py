@@ -7,7 +7,8 @@ A request's states here (all of them the scheduler's; the node only talks to the
                │                5 s while it waits (LeaseRenew)
                ▼ scheduler.schedule_remote_kv: room in the batch and blocks (watermark) allow
             RECEIVING_KV        blocks allocated here; receiver.pull copies the KV in
-               │                (shared memory or ZMQ frames)
+               │                (shared memory or ZMQ frames), into every tensor-parallel rank's
+               │                pool (its heads, same block ids); DONE once every rank has its part
                ▼ receiver DONE ─▶ scheduler.remote_kv_done
             RUNNING             prompt KV computed, the first token fed back next step
                ▼
@@ -137,7 +138,7 @@ class DecodeNode:
 
     @property
     def num_kv_bytes_received(self) -> int:
-        """KV bytes copied into this pool, by every transport (the receiver counts them)."""
+        """KV bytes copied into this pool, every rank's, by every transport (the receiver counts them)."""
         return self.receiver.num_bytes_received
 
     def _transfer_done(self, request: Request, num_bytes: int) -> None:
@@ -174,10 +175,12 @@ class DecodeNode:
 
     def metrics_snapshot(self) -> NodeSnapshot:
         """Called from the status thread at scrape time: reads counters, changes nothing."""
+        by_rank = getattr(self.receiver, "num_bytes_by_rank", None)  # test doubles may not count by rank
         return engine_snapshot(self.engine, num_bytes_received=self.num_kv_bytes_received,
                                num_shm_transfers=self.receiver.num_shm_copies,
                                num_zmq_transfers=self.receiver.num_zmq_pulls,
-                               auth_refusals=self.receiver.auth_refusals)
+                               auth_refusals=self.receiver.auth_refusals,
+                               bytes_received_by_rank=list(by_rank) if by_rank is not None else None)
 
 
 def _first_tokens(request: Request, ready: KVReady, max_num_seqs: int) -> None:

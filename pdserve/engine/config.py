@@ -42,6 +42,10 @@ class EngineConfig:
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # fcfs | priority | sjf (engine/scheduling_policy.py)
     sjf_length_factor: float = DEFAULT_SJF_LENGTH_FACTOR  # sjf: estimate = min(prompt len x factor, max_tokens)
     sjf_aging_s: float = DEFAULT_SJF_AGING_S  # sjf: a request that waited this long is no longer overtaken
+    # Tensor parallelism (engine/parallel/): ranks of this node, one process each (this one is rank 0).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0  # every collective; a rank that died or hangs fails the step after this
+    tp_startup_timeout_s: float = 120.0  # each start-up phase of the worker ranks (join, load, KV pool)
 
     def __post_init__(self) -> None:
         self.model_path = Path(self.model_path)
@@ -65,10 +69,27 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.tp_timeout_s <= 0 or self.tp_startup_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s and tp_startup_timeout_s must be > 0, got {self.tp_timeout_s} and "
+                             f"{self.tp_startup_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.device.startswith("cuda:") and self.device != "cuda:0":
+            raise ValueError(f"with tensor_parallel_size > 1 rank r runs on cuda:r: use device 'cuda', not {self.device!r}")
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method != "ngram":
+            raise ValueError("speculative_config: a draft model does not run with tensor_parallel_size > 1 "
+                             "(the ngram method does)")
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.startswith("cuda") and not self.enforce_eager
+        """CUDA graphs for decode steps: CUDA, not enforce_eager, and no tensor parallelism (a TP
+        node runs eager: its collectives are not captured)."""
+        return self.device.startswith("cuda") and not self.enforce_eager and self.tensor_parallel_size == 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

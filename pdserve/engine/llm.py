@@ -4,7 +4,8 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 
 With `SamplingParams(n=k)` a prompt gets k outputs in `outs[i].outputs` (choice j at j), from one
-prefill whose KV blocks the k sequences share.
+prefill whose KV blocks the k sequences share. With `tensor_parallel_size=N` the model runs on N
+ranks (this process and N - 1 workers); `llm.close()` (or `with LLM(...) as llm:`) stops them.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class LLM:
         scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
         sjf_length_factor: float = DEFAULT_SJF_LENGTH_FACTOR,
         sjf_aging_s: float = DEFAULT_SJF_AGING_S,
+        tensor_parallel_size: int = 1,
+        tp_timeout_s: float = 60.0,
+        tp_startup_timeout_s: float = 120.0,
     ) -> None:
         from pdserve.engine.loader import resolve_model  # file I/O and maybe a download: only in this factory
 
@@ -65,9 +69,21 @@ class LLM:
             swap_space_gb=swap_space_gb, num_threads=num_threads, enforce_eager=enforce_eager, seed=seed,
             speculative_config=speculative_config,
             scheduling_policy=scheduling_policy, sjf_length_factor=sjf_length_factor, sjf_aging_s=sjf_aging_s,
+            tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s,
+            tp_startup_timeout_s=tp_startup_timeout_s,
         )
         self.tokenizer = _load_tokenizer(model_path) if not skip_tokenizer_init else None
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks (idempotent; nothing to do without them)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

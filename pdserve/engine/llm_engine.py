@@ -62,23 +62,26 @@ class RequestOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None, kv_allocator=None) -> None:
-        """`kv_allocator(shape, dtype, device) -> Tensor` places the KV pool (a prefill node puts it
-        in shared memory so a decode node on the same host can map it); default torch.zeros."""
+        """`kv_allocator(shape, dtype, device) -> Tensor | SharedKVPool` places the KV pool (a
+        prefill node puts it in shared memory so a decode node on the same host can map it);
+        default torch.zeros. With tensor_parallel_size > 1 this process is rank 0 and starts the
+        other ranks; `close()` stops them (so does interpreter exit)."""
         self.config = config
         self.tokenizer = tokenizer
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        threads = config.num_threads
+        if config.tensor_parallel_size > 1:
+            from pdserve.engine.parallel.executor import threads_per_rank
+
+            threads = threads_per_rank(config)  # --num-threads is per rank; default: the CPUs split
+        if threads:
+            torch.set_num_threads(threads)
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.runner = ModelRunner(config, self.model_config, self._model_len_limit())
-        self.proposer = self._make_proposer()  # speculative decoding's proposer, or None
-        num_blocks, num_host_blocks = self._size_pools()
-        # A lone request must always fit the pool, or preemption could never make room for it.
-        config.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
-        self.runner.allocate_kv(num_blocks, num_host_blocks, kv_allocator)
-        if self.proposer is not None:
-            self.proposer.allocate_kv(num_blocks)  # a draft model's pool: the same block ids
-        if config.use_cuda_graphs:  # at start-up, not on the first request; logs the capture time
-            self.runner.init_decode_graphs(config.max_model_len)
+        try:
+            num_blocks, num_host_blocks = self._start_pools(kv_allocator)
+        except BaseException:
+            self.runner.close()
+            raise
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
@@ -96,22 +99,50 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_config, self.block_manager, self.model_config.eos_token_ids)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
-        logger.info("engine ready: %d KV blocks of %d tokens, %d host blocks, dtype %s, max_model_len %d",
-                    num_blocks, config.block_size, num_host_blocks, config.torch_dtype, config.max_model_len)
+        logger.info("engine ready: %d KV blocks of %d tokens, %d host blocks, dtype %s, max_model_len %d, "
+                    "tensor parallel size %d", num_blocks, config.block_size, num_host_blocks, config.torch_dtype,
+                    config.max_model_len, config.tensor_parallel_size)
+
+    def _start_pools(self, kv_allocator) -> tuple[int, int]:
+        """The proposer, the KV pools (every rank's) and, on CUDA, the decode graphs."""
+        config = self.config
+        self.proposer = self._make_proposer()  # speculative decoding's proposer, or None
+        num_blocks, num_host_blocks = self._size_pools()
+        # A lone request must always fit the pool, or preemption could never make room for it.
+        config.max_model_len = min(self.runner.max_model_len, num_blocks * config.block_size)
+        self.runner.allocate_kv(num_blocks, num_host_blocks, kv_allocator)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_blocks)  # a draft model's pool: the same block ids
+        if config.use_cuda_graphs:  # at start-up, not on the first request; logs the capture time
+            self.runner.init_decode_graphs(config.max_model_len)
+        return num_blocks, num_host_blocks
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks and leave their process group (idempotent; nothing
+        to do without tensor parallelism). A second engine in this process can start after it."""
+        self.runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _size_pools(self) -> tuple[int, int]:
-        """(device KV blocks, host swap blocks): as asked, else from the memory settings."""
+        """(device KV blocks, host swap blocks): as asked, else from the memory settings. On CUDA
+        each rank's device holds its own pool, so the profile sizes one rank's; on the CPU the
+        ranks share the host's memory, so kv_cache_memory_gb and swap_space_gb hold every rank's."""
         cfg = self.config
-        bytes_per_block = (self.model_config.kv_elements_per_token * cfg.block_size
-                           * torch.tensor([], dtype=cfg.torch_dtype).element_size())
+        bytes_per_block = self.runner.kv_bytes_per_block()  # one rank's pool
         if self.proposer is not None:  # a draft model's KV sits in blocks of the same ids
             bytes_per_block += self.proposer.kv_bytes_per_block()
+        node_bytes_per_block = bytes_per_block * cfg.tensor_parallel_size
         num_blocks = cfg.num_kv_blocks
         if num_blocks is None and cfg.device.startswith("cuda"):
             num_blocks = self.runner.profile_num_kv_blocks(bytes_per_block, cfg.gpu_memory_utilization)
         elif num_blocks is None:
-            num_blocks = max(1, int(cfg.kv_cache_memory_gb * _GIB // bytes_per_block))
-        return num_blocks, int(cfg.swap_space_gb * _GIB // bytes_per_block)
+            num_blocks = max(1, int(cfg.kv_cache_memory_gb * _GIB // node_bytes_per_block))
+        return num_blocks, int(cfg.swap_space_gb * _GIB // node_bytes_per_block)
 
     def _model_len_limit(self) -> int:
         """The longest sequence this model serves here (before the pool size caps it)."""

@@ -1,9 +1,15 @@
 """Turns a `SchedulerOutput` into one forward pass and the sampled tokens.
 
-Owns the model weights and the KV pool: one backing buffer per node,
-``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so a peer on the same host
-can map the whole pool with one handle; per-layer K and V are views into it. With swap space, a
+Owns the model weights (this rank's shard) and the KV pool: one backing buffer per rank,
+``[num_layers, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]``, so a peer on the same
+host can map a whole pool with one handle; per-layer K and V are views into it. With swap space, a
 host buffer of the same layout holds preempted requests' blocks.
+
+Tensor parallelism (engine/parallel/): with `tensor_parallel_size` N > 1 the runner of the node
+process is rank 0. It starts ranks 1..N-1 (`TPExecutor`), and each step it sends them the step
+(`Step`: the batch's host tensors and the block moves) before running the same forward itself;
+only rank 0 samples. `kv_shards` lists every rank's pool as the node process sees it (one shard
+covering every KV head without TP); `kv_buffer` stays rank 0's. A worker rank runs `run_step`.
 
 Decode-only steps can run through `DecodeGraphs` (engine/cuda_graphs.py): CUDA graphs on static,
 padded buffers. On CUDA a step's host tensors are staged in pinned memory and copied without
@@ -14,6 +20,7 @@ reading the sampled tokens back is the step's only one.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -24,6 +31,10 @@ from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
+from pdserve.engine.parallel import state
+from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.engine.parallel.sharding import check_tp, num_kv_heads_per_rank
+from pdserve.engine.parallel.step_wire import HostBatch, Step
 from pdserve.engine.rejection_sampler import verify_drafts
 from pdserve.engine.sampler import Sampler, SamplingInput
 from pdserve.engine.scheduler_output import SchedulerOutput
@@ -32,28 +43,75 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, *, tp_rank: int = 0):
+        """`tp_rank` > 0: a worker rank's runner (its process group is already joined). Rank 0 of
+        a TP > 1 node starts the workers here, before it loads its own shard."""
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.tp_size = config.tensor_parallel_size
+        self.tp_rank = tp_rank
+        on_cuda = config.device.startswith("cuda")
+        self.device = torch.device("cuda", tp_rank) if on_cuda and self.tp_size > 1 else torch.device(config.device)
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len  # sizes the RoPE tables
-        self.model = self._load_model()
-        self.sampler = Sampler(seed=config.seed)
-        self.kv_buffer: torch.Tensor | None = None
+        self.kv_buffer: torch.Tensor | None = None  # this rank's pool
+        self.kv_shards: list[KVShard] = []  # every rank's pool, as the node process maps them
         self.host_buffer: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.executor = None  # TPExecutor: rank 0 of a TP > 1 node
+        check_tp(model_config, self.tp_size)
+        if self.tp_size == 1 and state.tp_size() != 1:
+            raise RuntimeError(f"this process already runs a tensor-parallel group of {state.tp_size()} ranks: "
+                               "close that engine first")
+        if self.tp_size > 1 and tp_rank == 0:
+            from pdserve.engine.parallel.executor import TPExecutor
+
+            self.executor = TPExecutor(config, max_model_len)
+        try:
+            self.model = self._load_model()
+            self.sampler = Sampler(seed=config.seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the worker ranks and leave the process group (idempotent; a no-op without TP)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One rank's pool (every rank's has this shape)."""
         mc = self.model_config
-        return (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        heads = num_kv_heads_per_rank(mc, self.tp_size)
+        return (mc.num_layers, 2, num_blocks, self.block_size, heads, mc.head_dim)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block in one rank's pool."""
+        return math.prod(self.kv_shape(1)) * self.dtype.itemsize
 
     def allocate_kv(self, num_blocks: int, num_host_blocks: int, kv_allocator=None) -> None:
-        """The node's KV pool (one buffer, per-layer views) and the host swap buffer."""
-        allocate = kv_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
-        self.kv_buffer = allocate(self.kv_shape(num_blocks), self.dtype, self.device)
-        self.kv_caches = [(self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(self.model_config.num_layers)]
+        """The KV pools (one buffer per rank, per-layer views) and this rank's host swap buffer.
+        Without TP `kv_allocator(shape, dtype, device)` places the pool and may return a tensor or
+        a `SharedKVPool` (then `kv_shards[0].shm` is it). With TP the executor places every rank's
+        pool (on the CPU each in its own shared-memory segment) and `kv_allocator` is not used."""
+        shape = self.kv_shape(num_blocks)
+        if self.executor is not None:
+            self.kv_shards = self.executor.allocate_kv(shape, self.dtype, self.device, num_host_blocks,
+                                                       self.model_config.num_kv_heads)
+        else:
+            allocate = kv_allocator or (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+            pool = allocate(shape, self.dtype, self.device)
+            shm = None
+            if not isinstance(pool, torch.Tensor):  # a SharedKVPool
+                shm, pool = pool, pool.tensor
+            self.kv_shards = [KVShard(0, 0, self.model_config.num_kv_heads, pool, shm)]
+        self.attach_kv(self.kv_shards[0].tensor, num_host_blocks)
+
+    def attach_kv(self, kv_buffer: torch.Tensor, num_host_blocks: int) -> None:
+        """Use `kv_buffer` as this rank's pool; a host swap buffer of `num_host_blocks` blocks."""
+        self.kv_buffer = kv_buffer
+        self.kv_caches = [(kv_buffer[i, 0], kv_buffer[i, 1]) for i in range(self.model_config.num_layers)]
         if num_host_blocks:
             self.host_buffer = torch.zeros(self.kv_shape(num_host_blocks), dtype=self.dtype, device="cpu")
 
@@ -69,8 +127,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.decode_graphs.capture()
 
-    @torch.inference_mode()
     def profile_num_kv_blocks(self, bytes_per_block: int, gpu_memory_utilization: float) -> int:
+        """CUDA: the KV blocks that fit every rank's device (`bytes_per_block`: one rank's block).
+        With TP every rank runs the profiling forward (its collectives need them all)."""
+        if self.executor is not None:
+            self.executor.broadcast({"op": "profile", "bytes_per_block": bytes_per_block,
+                                     "gpu_memory_utilization": gpu_memory_utilization})
+        own = self.profile_own_kv_blocks(bytes_per_block, gpu_memory_utilization)
+        if self.executor is None:
+            return own
+        return min(own, *self.executor.gather("profiled", "num_blocks", phase="profiling its memory"))
+
+    @torch.inference_mode()
+    def profile_own_kv_blocks(self, bytes_per_block: int, gpu_memory_utilization: float) -> int:
         """CUDA: run one forward at the full token budget with a scratch pool, then give the KV
         pool what is left of `gpu_memory_utilization` of the device after the peak it reached."""
         num_tokens = self.config.max_num_batched_tokens
@@ -124,26 +193,46 @@ class ModelRunner:
         or, for a request that had draft tokens to verify, the list of such pairs it emits
         (the accepted drafts, then the target's own token: engine/rejection_sampler.py); an n > 1
         request about to fork gets one pair per choice, under the choices' ids."""
-        self._swap(out)
-        if out.is_empty:
-            return {}
-        input_ids, positions, meta, logits_indices = self.prepare_batch(out)
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.can_run(input_ids, meta):
-            hidden = graphs.run(input_ids, positions, meta)
-        else:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         sampling = [s for s in out.scheduled if s.samples]
-        if not sampling:
+        step = Step(None if out.is_empty else self.prepare_host_batch(out), bool(sampling),
+                    out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
+        if self.executor is None:
+            logits = self.run_step(step)
+        else:
+            with self.executor.step_guard():  # a dead worker or a failed collective: TPWorkerError
+                if not step.is_noop:
+                    self.executor.send_step(step)
+                logits = self.run_step(step)
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[logits_indices])
         if any(s.spec_token_ids or s.request.forks for s in sampling):  # drafts to verify or choices to draw
             return verify_drafts(self.sampler, logits, sampling)
         rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
         result = self.sampler(logits, rows)
         return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
 
+    @torch.inference_mode()
+    def run_step(self, step: Step) -> torch.Tensor | None:
+        """What every rank does with a step: move blocks, run the forward, and compute the logits
+        when `step.compute_logits` (full-vocab [S, vocab] float32 on every rank; rank 0 samples)."""
+        self._swap(step)
+        if step.batch is None:
+            return None
+        input_ids, positions, meta, logits_indices = self.upload_batch(step.batch)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.can_run(input_ids, meta):
+            hidden = graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if not step.compute_logits:
+            return None
+        return self.model.compute_logits(hidden[logits_indices])
+
     def prepare_batch(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input ids [T], positions [T], metadata, logits indices) of the scheduled chunks, on the device."""
+        return self.upload_batch(self.prepare_host_batch(out))
+
+    def prepare_host_batch(self, out: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request
         with draft tokens feeds them after its last token (query length 1 + k) and wants the
         logits of all 1 + k positions."""
@@ -155,11 +244,15 @@ class ModelRunner:
                 token_ids = token_ids + s.spec_token_ids
             num_logits = 1 + len(s.spec_token_ids) if s.samples else 0
             chunks.append(BatchChunk(token_ids, start, s.block_ids, num_logits))
-        return self.prepare_chunks(chunks)
+        return self.host_chunks(chunks)
 
     def prepare_chunks(self, chunks: list[BatchChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                 torch.Tensor]:
         """(input ids [T], positions [T], metadata, logits indices) of one flattened batch."""
+        return self.upload_batch(self.host_chunks(chunks))
+
+    def host_chunks(self, chunks: list[BatchChunk]) -> HostBatch:
+        """One flattened batch's tensors, on the host."""
         token_ids: list[int] = []
         query_lens, seq_lens, starts, logits_indices = [], [], [], []
         for c in chunks:
@@ -177,17 +270,21 @@ class ModelRunner:
         positions = torch.arange(len(token_ids), dtype=torch.int64) - qsl[:-1].long()[owner] + torch.tensor(starts)[owner]
         block_tables = torch.tensor(tables, dtype=torch.int32)
         slots = block_tables[owner, positions // self.block_size].long() * self.block_size + positions % self.block_size
+        return HostBatch(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, query_start_loc=qsl,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+            slot_mapping=slots.to(torch.int32), logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        )
+
+    def upload_batch(self, b: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         upload = self._upload
         meta = AttentionMetadata(
-            query_start_loc=upload(qsl),
-            seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=upload(block_tables),
-            slot_mapping=upload(slots.to(torch.int32)),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            query_start_loc=upload(b.query_start_loc), seq_lens=upload(b.seq_lens),
+            block_tables=upload(b.block_tables), slot_mapping=upload(b.slot_mapping),
+            max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
         )
-        ids = upload(torch.tensor(token_ids, dtype=torch.int64))
-        return ids, upload(positions), meta, upload(torch.tensor(logits_indices, dtype=torch.int64))
+        return upload(b.input_ids), upload(b.positions), meta, upload(b.logits_indices)
 
     @torch.inference_mode()
     def greedy_next(self, chunks: list[BatchChunk]) -> list[int]:
@@ -205,7 +302,7 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _swap(self, out: SchedulerOutput) -> None:
+    def _swap(self, out: SchedulerOutput | Step) -> None:
         """Swap-outs first: a device block freed by a swap-out may be swapped into this step.
         Copy-on-writes next: their sources are read before any swap-in can reuse a freed one."""
         if out.blocks_to_swap_out:

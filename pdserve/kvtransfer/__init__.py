@@ -5,6 +5,7 @@
     curve.py      CURVE keys and the ZAP authenticator
     exposure.py   which addresses other machines can reach, and the refusal to expose one without keys
     layout.py     the checks both ends make against a KVLayout (pool shape, KVReady, block ids)
+    heads.py      KV heads across tensor-parallel ranks: which peer rank holds which head
     payload.py    gather/scatter/copy a request's tokens; tensors <-> frames (dtype names: engine/dtypes.py)
     lease.py      how long the prefill node keeps handed-off blocks pinned
     sender.py     prefill side: KVReady, serve pulls, release on KVDone or lease expiry

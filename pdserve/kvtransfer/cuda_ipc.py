@@ -1,11 +1,17 @@
 """The same-host fast path on GPUs: a decode node maps the prefill node's CUDA KV pool through a
 CUDA IPC handle and copies a request's blocks device to device (one Triton launch), no host hop.
 
-The handle travels in the handshake's `KVLayout.cuda_ipc` as plain msgpack values (ints and
-bytes: what `UntypedStorage._share_cuda_` returns), never pickled. "Same host" is decided by the
-probe: the peer's device UUID names a device visible here and the handle opens; otherwise the
-decode node pulls over ZMQ. `CudaIpcTransport` ("cuda_ipc") is the receiver's side
-(kvtransfer.transport); `advertise` is the sender's: it puts the handle in the handshake.
+The handle travels in the handshake's `KVLayout.ranks[r].cuda_ipc` as plain msgpack values (ints
+and bytes: what `UntypedStorage._share_cuda_` returns), never pickled; with tensor parallelism
+there is one per rank's pool. "Same host" is decided by the probe: each peer rank's device UUID
+names a device visible here and its handle opens; otherwise the decode node pulls over ZMQ.
+`CudaIpcTransport` ("cuda_ipc") is the receiver's side (kvtransfer.transport); `advertise` is the
+sender's: it puts a rank's handle in the handshake.
+
+A rank > 0's pool lives in its worker process and the node process maps it by the worker's handle;
+CUDA does not let a process export memory it imported, so that rank is advertised with the
+worker's own export (`KVShard.cuda_ipc`, when the shard carries it); without it, the peer pulls
+over ZMQ. (No multi-GPU machine here: the TP > 1 part of this path is written, not run.)
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ import logging
 
 import torch
 
-from pdserve.kvtransfer.layout import layout_shape
-from pdserve.kvtransfer.messages import KVLayout
+from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.kvtransfer.heads import rank_shape
+from pdserve.kvtransfer.messages import KVLayout, KVRank
 from pdserve.kvtransfer.payload import DTYPES
-from pdserve.kvtransfer.transport import PeerPoolCopy, Send
+from pdserve.kvtransfer.transport import PeerPoolCopy
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +44,34 @@ def export_pool(pool: torch.Tensor) -> dict:
     return info
 
 
-def advertise(layout: KVLayout, pool: torch.Tensor) -> KVLayout:
-    """`layout` plus what a same-host peer needs to map `pool` (unchanged for a CPU pool)."""
+def advertise(entry: KVRank, shard: KVShard) -> KVRank:
+    """`entry` (the shard's rank in the handshake) plus what a same-host peer needs to map the
+    shard's pool; unchanged for a CPU pool, or for a pool whose handle cannot be exported here."""
+    pool = shard.tensor
     if not pool.is_cuda:
-        return layout
-    return dataclasses.replace(layout, device_uuid=device_uuid(pool.device), cuda_ipc=export_pool(pool))
+        return entry
+    info = getattr(shard, "cuda_ipc", None)  # a worker's own export of its pool
+    if not info:
+        try:
+            info = export_pool(pool)
+        except RuntimeError as e:  # memory this process imported (another rank's): not exportable
+            log.info("rank %d's KV pool has no CUDA IPC handle to advertise (%s): peers pull over ZMQ",
+                     shard.rank, e)
+            return entry
+    return dataclasses.replace(entry, device_uuid=device_uuid(pool.device), cuda_ipc=info)
 
 
-def open_peer_pool(layout: KVLayout) -> torch.Tensor | None:
-    """Map the peer's pool if its device is visible here and its handle opens; else None."""
-    info = layout.cuda_ipc
-    if not info or not layout.device_uuid or layout.dtype not in DTYPES or not torch.cuda.is_available():
+def open_peer_pool(layout: KVLayout, rank: int = 0) -> torch.Tensor | None:
+    """Map the pool of the peer's rank `rank` if its device is visible here and its handle opens;
+    else None."""
+    if not 0 <= rank < len(layout.ranks):
+        return None
+    entry = layout.ranks[rank]
+    info = entry.cuda_ipc
+    if not info or not entry.device_uuid or layout.dtype not in DTYPES or not torch.cuda.is_available():
         return None
     index = next((i for i in range(torch.cuda.device_count())
-                  if device_uuid(torch.device("cuda", i)) == layout.device_uuid), None)
+                  if device_uuid(torch.device("cuda", i)) == entry.device_uuid), None)
     if index is None:
         return None
     try:
@@ -59,17 +80,17 @@ def open_peer_pool(layout: KVLayout) -> torch.Tensor | None:
         with torch.cuda.device(index):
             storage = torch.UntypedStorage._new_shared_cuda(*args)
             pool = torch.empty(0, dtype=DTYPES[layout.dtype], device=f"cuda:{index}")
-            pool.set_(storage, int(info["storage_offset"]), layout_shape(layout))
+            pool.set_(storage, int(info["storage_offset"]), rank_shape(layout, entry))
     except (KeyError, TypeError, RuntimeError) as e:
-        log.info("CUDA IPC handle of %s did not open here (%s): pulling over ZMQ", layout.model, e)
+        log.info("CUDA IPC handle of %s rank %d did not open here (%s): pulling over ZMQ", layout.model, rank, e)
         return None
     return pool
 
 
 class CudaIpcTransport(PeerPoolCopy):
-    """Same host, GPU pools: the handle is the peer's pool mapped by its CUDA IPC handle."""
+    """Same host, GPU pools: the handle holds the peer ranks' pools mapped by their CUDA IPC handles."""
 
     name = "cuda_ipc"
 
-    def open(self, peer_layout: KVLayout, send: Send) -> torch.Tensor | None:
-        return open_peer_pool(peer_layout)
+    def open_rank(self, peer_layout: KVLayout, rank: int) -> torch.Tensor | None:
+        return open_peer_pool(peer_layout, rank)

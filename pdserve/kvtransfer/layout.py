@@ -1,7 +1,7 @@
-"""The checks both ends of the hand-off make against a `KVLayout`: does a pool tensor have the
-layout's shape and dtype, and do a request's block ids and token count fit a pool of that layout.
+"""The checks both ends of the hand-off make against a `KVLayout`: do a request's block ids and
+token count fit a pool of that layout (a rank's pool, its heads, is checked by kvtransfer.heads).
 
-    pool:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (`layout_shape`)
+    pool:     [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (`layout_shape`: every head)
     request:  num_tokens tokens in block_ids, block_size tokens per block, the last one partly full
 
 The sender checks its own `KVReady` against its own pool before it takes ownership of the blocks;
@@ -11,10 +11,8 @@ own destination blocks against its own pool. One function each, so both ends ref
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.kvtransfer.messages import KVLayout, KVReady
-from pdserve.kvtransfer.payload import DTYPES, dtype_name
+from pdserve.kvtransfer.payload import DTYPES
 
 
 def layout_shape(layout: KVLayout) -> tuple[int, ...]:
@@ -24,12 +22,6 @@ def layout_shape(layout: KVLayout) -> tuple[int, ...]:
 def bytes_per_token(layout: KVLayout) -> int:
     """K and V of every layer for one token."""
     return layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * DTYPES[layout.dtype].itemsize
-
-
-def check_pool(layout: KVLayout, kv_buffer: torch.Tensor) -> None:
-    """Raise ValueError unless `kv_buffer` is a pool of `layout` (shape and wire dtype)."""
-    if tuple(kv_buffer.shape) != layout_shape(layout) or dtype_name(kv_buffer.dtype) != layout.dtype:
-        raise ValueError(f"kv_buffer {kv_buffer.dtype}{tuple(kv_buffer.shape)} does not match {layout}")
 
 
 def blocks_error(block_ids: list[int], num_tokens: int, layout: KVLayout, whose: str = "the pool's") -> str | None:

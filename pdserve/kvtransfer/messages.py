@@ -25,9 +25,10 @@ from typing import Any, ClassVar
 import msgpack
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: TokenBatch as columns
+PROTOCOL_VERSION = 3  # 2: TokenBatch as columns; 3: KV layouts per tensor-parallel rank
 MAX_MESSAGE_BYTES = 16 << 20  # a control message; KV payload frames are bounded separately
 MAX_TOKENS_PER_MESSAGE = 1 << 20
+MAX_RANKS = 1024  # tensor-parallel ranks a KV layout or pull may name
 
 
 class MessageError(ValueError):
@@ -189,8 +190,24 @@ class Error(Message):
 
 # ---- KV hand-off (prefill → decode) -----------------------------------------------------
 @dataclass
+class KVRank(Message):
+    """One tensor-parallel rank's part of a KV pool: the model's KV heads [head_start, head_end)
+    (a pool of ``head_end - head_start`` heads), and how a same-host peer maps it."""
+
+    TYPE: ClassVar[str] = "kv_rank"
+    head_start: int
+    head_end: int
+    shm_name: str = ""  # same-host fast path: the rank's shared-memory segment ("" = none)
+    probe_token: str = ""  # hex; the segment must hold it, proving the peer maps the same memory
+    device_uuid: str = ""  # CUDA device of the rank's pool ("" on CPU)
+    cuda_ipc: dict = field(default_factory=dict)  # CUDA IPC handle of the rank's pool (kvtransfer.cuda_ipc)
+
+
+@dataclass
 class KVLayout(Message):
-    """What a KV pool holds; peers must agree on everything but the block size."""
+    """What a KV pool holds; peers must agree on everything but the block size and the tensor
+    parallelism. `num_kv_heads` is the model's count; rank r's pool holds `ranks[r]`'s heads
+    (kvtransfer.heads checks that they are `tp_size` ranges covering every head)."""
 
     TYPE: ClassVar[str] = "kv_layout"
     model: str
@@ -200,10 +217,8 @@ class KVLayout(Message):
     head_dim: int
     block_size: int
     num_blocks: int
-    shm_name: str = ""  # same-host fast path: the pool's shared-memory segment ("" = none)
-    probe_token: str = ""  # hex; the segment must hold it, proving the peer maps the same memory
-    device_uuid: str = ""  # CUDA device of the pool ("" on CPU)
-    cuda_ipc: dict = field(default_factory=dict)  # CUDA IPC handle of the pool (kvtransfer.cuda_ipc)
+    tp_size: int = 1
+    ranks: list[KVRank] = field(default_factory=list)  # rank r at r; a node's sender/receiver fills it
 
     def incompatibility(self, other: KVLayout) -> str | None:
         for name in ("model", "dtype", "num_layers", "num_kv_heads", "head_dim"):
@@ -251,19 +266,31 @@ class KVReady(Message):
 
 @dataclass
 class KVPull(Message):
+    """Send the request's KV: one payload frame per head range, in order (one per decode rank,
+    [start, end) of the model's KV heads); none named = every head in one frame."""
+
     TYPE: ClassVar[str] = "kv_pull"
     request_id: str
+    head_ranges: list[list[int]] = field(default_factory=list)
+
+    def wire_error(self) -> str | None:
+        if len(self.head_ranges) > MAX_RANKS:
+            return f"{len(self.head_ranges)} head ranges, at most {MAX_RANKS}"
+        if any(len(r) != 2 for r in self.head_ranges):
+            return "a head range is [start, end]"
+        return None
 
 
 @dataclass
 class KVData(Message):
-    """Header of a KV payload; the next frame holds [num_layers, 2, num_tokens, kv_heads, head_dim]."""
+    """Header of a KV payload; frame i after it holds shapes[i] = [num_layers, 2, num_tokens,
+    heads of the pull's range i, head_dim]."""
 
     TYPE: ClassVar[str] = "kv_data"
     request_id: str
     ok: bool
     dtype: str = ""
-    shape: list[int] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
     error: str = ""
 
 
@@ -284,7 +311,7 @@ class KVDone(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Register, Heartbeat, Deregister, Reregister, PrefillRequest, FirstToken, TokenBatch, Abort, Error,
-                KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
+                KVRank, KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
 }
 
 
@@ -297,7 +324,11 @@ def _to_wire(msg: Message) -> dict:
     out = {"type": msg.TYPE, "version": PROTOCOL_VERSION}
     for name in _field_names(type(msg)):
         value = getattr(msg, name)
-        out[name] = _to_wire(value) if isinstance(value, Message) else value
+        if isinstance(value, Message):
+            value = _to_wire(value)
+        elif isinstance(value, list) and value and isinstance(value[0], Message):  # KVLayout.ranks
+            value = [_to_wire(v) for v in value]
+        out[name] = value
     return out
 
 
@@ -348,10 +379,15 @@ def _from_struct(wire: msgspec.Struct) -> Message | None:
     values = msgspec.structs.astuple(wire)[:-1]  # the last field is `version`
     if nested:
         values = list(values)
-        for i in nested:
-            values[i] = _from_struct(values[i])
-            if values[i] is None:
-                return None
+        for i, is_list in nested:
+            if is_list:
+                values[i] = [_from_struct(v) for v in values[i]]
+                if any(v is None for v in values[i]):
+                    return None
+            else:
+                values[i] = _from_struct(values[i])
+                if values[i] is None:
+                    return None
     msg = cls(*values)
     error = msg.wire_error()
     if error is not None:
@@ -359,7 +395,8 @@ def _from_struct(wire: msgspec.Struct) -> Message | None:
     return msg
 
 
-_STRUCT_CLASSES: dict[type, tuple[type[Message], tuple[int, ...]]] = {}  # struct → (class, nested field indexes)
+# struct → (class, (index, is a list) of each field holding nested messages)
+_STRUCT_CLASSES: dict[type, tuple[type[Message], tuple[tuple[int, bool], ...]]] = {}
 
 
 @functools.cache  # one struct per class, a nested message's included
@@ -368,8 +405,10 @@ def _struct_for(cls: type[Message]) -> type[msgspec.Struct]:
     last, unknown fields refused."""
     fields, nested = [], []
     for i, (name, hint, required) in enumerate(_schema(cls)[0]):
-        if isinstance(hint, type) and issubclass(hint, Message):
-            hint, _ = _struct_for(hint), nested.append(i)
+        if _is_message(hint):
+            hint, _ = _struct_for(hint), nested.append((i, False))
+        elif typing.get_origin(hint) is list and _is_message(typing.get_args(hint)[0]):
+            hint, _ = list[_struct_for(typing.get_args(hint)[0])], nested.append((i, True))
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         if required:
             fields.append((name, hint))
@@ -382,6 +421,10 @@ def _struct_for(cls: type[Message]) -> type[msgspec.Struct]:
                                forbid_unknown_fields=True)
     _STRUCT_CLASSES[struct] = (cls, tuple(nested))
     return struct
+
+
+def _is_message(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, Message)
 
 
 @functools.cache

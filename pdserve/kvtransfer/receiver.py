@@ -10,6 +10,11 @@ by `KVReady` goes through (event kinds are `KVEventKind`):
        KVData(ok=False), a bad payload, a failed copy, or no answer in pull_timeout_s ─▶ KVDone(ok=False) ─▶ FAILED
        release() (abort, the node gives up) ─▶ KVDone(ok=False), no event
 
+Tensor parallelism: our pool is a list of shards, one per rank, each holding its KV heads (the
+same block ids on every rank); the peer's handshake names its own ranks' heads. A transfer fills
+every shard with exactly its heads (kvtransfer.heads) and is DONE, with one KVDone, only once
+every shard has its part; `num_bytes_by_rank` counts what each rank received.
+
 Ownership: the decode node allocates and frees its own blocks; this class only fills them.
 Every request it announced ends with exactly one KVDone to the prefill node (ok or not), which is
 what lets the prefill node free its blocks early instead of waiting out the lease.
@@ -28,7 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +41,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pdserve.engine.parallel.kv_shards import KVShard
 from pdserve.kvtransfer.cuda_ipc import CudaIpcTransport
 from pdserve.kvtransfer.curve import (
     SOCKET_REFUSAL_REASONS,
@@ -44,13 +50,15 @@ from pdserve.kvtransfer.curve import (
     close_server,
     monitor_handshakes,
 )
-from pdserve.kvtransfer.layout import blocks_error, check_pool, ready_error
+from pdserve.kvtransfer.heads import as_shards, check_shards, ranks_error, with_ranks
+from pdserve.kvtransfer.layout import blocks_error, ready_error
 from pdserve.kvtransfer.messages import (
     Handshake,
     HandshakeAck,
     KVData,
     KVDone,
     KVLayout,
+    KVRank,
     KVReady,
     LeaseRenew,
     Message,
@@ -113,18 +121,21 @@ class _Incoming:
 
 
 class KVReceiver:
-    def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, *,
+    def __init__(self, node_id: str, layout: KVLayout, kv: Sequence[KVShard] | torch.Tensor, *,
                  bind_addr: str = "tcp://127.0.0.1:0", pull_timeout_s: float = 30.0, enable_shm: bool = True,
                  max_frame_bytes: int = KV_MAX_BYTES, clock: Callable[[], float] = time.monotonic,
                  curve: CurveKeys | None = None, transports: tuple[type[KVTransport], ...] = TRANSPORTS):
-        check_pool(layout, kv_buffer)
+        """`kv`: every rank's pool (`KVShard`s, rank order); a plain tensor is one pool holding every head."""
+        shards = as_shards(kv, layout.num_kv_heads)
+        check_shards(layout, shards)
+        layout = with_ranks(layout, [KVRank(s.head_start, s.head_end) for s in shards])
         self.node_id = node_id
         self.layout = layout
-        self.kv_buffer = kv_buffer
+        self.shards = shards
         self.pull_timeout_s = pull_timeout_s
         self.clock = clock
         # enable_shm=False keeps only the transports that do not read a peer's pool (ZMQ).
-        self.transports = [t(layout, kv_buffer) for t in transports if enable_shm or not t.reads_peer_pool]
+        self.transports = [t(layout, shards) for t in transports if enable_shm or not t.reads_peer_pool]
         self._refusals: Counter[str] = Counter({reason: 0 for reason in SOCKET_REFUSAL_REASONS})
         self._refusals_lock = threading.Lock()  # the ZAP thread counts too
         self._monitor: zmq.Socket | None = None
@@ -132,6 +143,7 @@ class KVReceiver:
         self.kv_addr = endpoint(self.sock)
         self.num_transfers: Counter[str] = Counter()  # transfers done, by transport name
         self.num_bytes: Counter[str] = Counter()  # KV bytes moved into our pool, by transport name
+        self.num_bytes_by_rank = [0] * len(shards)  # KV bytes moved into rank r's pool, at r
         self._peers: dict[bytes, _PrefillPeer] = {}
         self._incoming: dict[str, _Incoming] = {}
         self._events: list[KVEvent] = []  # produced outside poll(), reported by the next poll()
@@ -171,6 +183,11 @@ class KVReceiver:
     def _close_socket(self, sock: zmq.Socket) -> None:
         close_server(sock, self._monitor, linger=500)  # let goodbyes out; close() itself does not wait
         self._monitor = None
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """Rank 0's pool (the whole pool without tensor parallelism)."""
+        return self.shards[0].tensor
 
     @property
     def num_shm_copies(self) -> int:
@@ -257,6 +274,8 @@ class KVReceiver:
         error = self.layout.incompatibility(hs.layout)
         if error is None and (hs.layout.block_size <= 0 or hs.layout.num_blocks <= 0):
             error = f"bad pool geometry: {hs.layout.num_blocks} blocks of {hs.layout.block_size}"
+        if error is None and (ranks := ranks_error(hs.layout)) is not None:
+            error = f"bad tensor-parallel layout: {ranks}"
         if error is not None:
             error = f"decode node {self.node_id} cannot take KV from {hs.node_id}: {error}"
             log.error(error)
@@ -332,6 +351,8 @@ class KVReceiver:
         name = inc.link.transport.name
         self.num_transfers[name] += 1
         self.num_bytes[name] += outcome.num_bytes
+        for rank, num_bytes in enumerate(outcome.rank_bytes or [outcome.num_bytes]):
+            self.num_bytes_by_rank[rank] += num_bytes
         self._send(inc.identity, KVDone(request_id, ok=True))
         return KVEvent(KVEventKind.DONE, request_id, inc.ready, num_bytes=outcome.num_bytes)
 

@@ -1,8 +1,10 @@
 """Prefill side of the KV hand-off: announce a request's blocks, serve pulls, free on the ack.
 
 One DEALER socket per decode node, opened on the first `send` to it; the first message on it is
-our `Handshake`: the pool layout plus what each same-host transport's probe needs (the
-shared-memory segment and its probe token, or the pool's CUDA IPC handle; kvtransfer.transport).
+our `Handshake`: the pool layout, and per tensor-parallel rank its KV heads and what each same-host
+transport's probe needs (the rank's shared-memory segment and its probe token, or its CUDA IPC
+handle; kvtransfer.transport, kvtransfer.heads). A KVPull names head ranges (one per decode rank):
+each is gathered from our ranks holding those heads and sent as one frame, in order.
 A request handed to `send` is held under a lease from that moment:
 
     send() ─KVReady─▶ HELD ─KVPull─▶ KVData sent (lease renewed) ─KVDone─▶ released
@@ -25,21 +27,22 @@ through a `faults` object that may drop or spoil a pull's payload frame (`Payloa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import zmq
 
+from pdserve.engine.parallel.kv_shards import KVShard
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.curve import CurveKeys
 from pdserve.kvtransfer.exposure import exposure_message, is_local
-from pdserve.kvtransfer.layout import check_pool, ready_error
+from pdserve.kvtransfer.heads import as_shards, check_shards, gather_heads, ranges_error, with_ranks
+from pdserve.kvtransfer.layout import ready_error
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.messages import (
     Handshake,
@@ -48,12 +51,13 @@ from pdserve.kvtransfer.messages import (
     KVDone,
     KVLayout,
     KVPull,
+    KVRank,
     KVReady,
     LeaseRenew,
     Message,
     MessageError,
 )
-from pdserve.kvtransfer.payload import gather_tokens, tensor_to_frame
+from pdserve.kvtransfer.payload import tensor_to_frame
 from pdserve.kvtransfer.shm import SharedKVPool
 from pdserve.kvtransfer.sockets import CONTROL_MAX_BYTES, drain, make_socket, send_msg
 
@@ -84,22 +88,22 @@ class _DecodePeer:
 
 
 class KVSender:
-    def __init__(self, node_id: str, layout: KVLayout, kv_buffer: torch.Tensor, release: Callable[[str], None],
-                 *, lease_s: float = 30.0, shm_pool: SharedKVPool | None = None, probe_token: str = "",
+    def __init__(self, node_id: str, layout: KVLayout, kv: Sequence[KVShard] | torch.Tensor,
+                 release: Callable[[str], None], *, lease_s: float = 30.0, shm_pool: SharedKVPool | None = None,
                  clock: Callable[[], float] = time.monotonic, curve: CurveKeys | None = None,
                  faults: PayloadFaults | None = None, on_error: Callable[[str, str], None] | None = None,
                  insecure: bool = False):
-        check_pool(layout, kv_buffer)
-        if shm_pool is not None:  # the CPU same-host path: peers on this machine map the segment
-            if shm_pool.tensor.data_ptr() != kv_buffer.data_ptr():
-                raise ValueError("kv_buffer must be shm_pool.tensor for the same-host path")
-            layout = dataclasses.replace(layout, shm_name=shm_pool.name, probe_token=shm_pool.probe_token)
-        elif probe_token:
-            layout = dataclasses.replace(layout, probe_token=probe_token)
-        layout = cuda_ipc.advertise(layout, kv_buffer)  # the GPU same-host path: peers map the pool by handle
+        """`kv`: every rank's pool (`KVShard`s, rank order); a plain tensor is one pool holding
+        every head, in `shm_pool` when it is one (the CPU same-host path). A shard with `shm` set is
+        announced to same-host peers by its segment, a CUDA one by its IPC handle."""
+        shards = as_shards(kv, layout.num_kv_heads, shm_pool)
+        check_shards(layout, shards)
+        ranks = [cuda_ipc.advertise(KVRank(s.head_start, s.head_end, shm_name=s.shm.name if s.shm else "",
+                                           probe_token=s.shm.probe_token if s.shm else ""), s) for s in shards]
+        layout = with_ranks(layout, ranks)
+        self.shards = shards
         self.node_id = node_id
         self.layout = layout
-        self.kv_buffer = kv_buffer
         self.lease_s = lease_s  # what the node puts in KVReady.lease_s
         self.on_error = on_error  # (request_id, message): a hand-off failed after send() took it
         self.num_pulls_served = 0
@@ -120,6 +124,11 @@ class KVSender:
         self._identity_prefix = f"{node_id}/{secrets.token_hex(4)}"
         self._num_connections = 0
         self._faults = faults
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        """Rank 0's pool (the whole pool without tensor parallelism)."""
+        return self.shards[0].tensor
 
     # ---- the node's calls ---------------------------------------------------------------
     def send(self, decode_node_id: str, decode_kv_addr: str, ready: KVReady) -> None:
@@ -246,7 +255,7 @@ class KVSender:
                 if peer.sock.closed:
                     return  # refused: the connection is gone
             elif isinstance(msg, KVPull):
-                self._on_pull(peer, msg.request_id)
+                self._on_pull(peer, msg)
             elif isinstance(msg, LeaseRenew):
                 if self._holds(peer, msg.request_id):
                     self._leases.renew(msg.request_id)
@@ -266,28 +275,34 @@ class KVSender:
         for request_id in list(peer.request_ids):
             self._fail(request_id, error)
 
-    def _on_pull(self, peer: _DecodePeer, request_id: str) -> None:
+    def _on_pull(self, peer: _DecodePeer, pull: KVPull) -> None:
+        request_id = pull.request_id
         if not self._holds(peer, request_id):
             self._send(peer, KVData(request_id, ok=False,
                                     error=f"prefill node {self.node_id} no longer holds the request "
                                           "(lease expired or aborted)"))
             return
+        ranges = pull.head_ranges or [[0, self.layout.num_kv_heads]]
+        error = ranges_error(ranges, self.layout.num_kv_heads, cover_all=False)
+        if error is not None:  # the decode node fails the request and acks: released then
+            self._send(peer, KVData(request_id, ok=False, error=f"bad KVPull: {error}"))
+            return
         self._leases.renew(request_id)
         ready = self._requests[request_id][1]
-        payload = gather_tokens(self.kv_buffer, ready.block_ids, ready.num_tokens)
-        header = KVData(request_id, ok=True, dtype=self.layout.dtype, shape=list(payload.shape))
-        frame = tensor_to_frame(payload)
-        if self._faults is not None:
-            spoiled = self._faults.spoil_payload(frame)
-            if spoiled is not frame:  # the faults object logs the injection; this names the request
+        payloads = [gather_heads(self.shards, start, end, ready.block_ids, ready.num_tokens) for start, end in ranges]
+        header = KVData(request_id, ok=True, dtype=self.layout.dtype, shapes=[list(p.shape) for p in payloads])
+        frames = [tensor_to_frame(p) for p in payloads]
+        if self._faults is not None:  # one spoiled frame fails the whole pull: the last one
+            spoiled = self._faults.spoil_payload(frames[-1])
+            if spoiled is not frames[-1]:  # the faults object logs the injection; this names the request
                 log.info("fault injection %s the KV payload of %s", "dropped" if spoiled is None else "altered",
                          request_id)
             if spoiled is None:
                 return
-            frame = spoiled
-        if self._send(peer, header, frame):
+            frames[-1] = spoiled
+        if self._send(peer, header, *frames):
             self.num_pulls_served += 1
-            self.num_bytes_sent += payload.numel() * payload.element_size()
+            self.num_bytes_sent += sum(p.numel() * p.element_size() for p in payloads)
 
     def _on_done(self, peer: _DecodePeer, done: KVDone) -> None:
         if not self._holds(peer, done.request_id):

@@ -14,8 +14,10 @@ prefill node's `cleanup_stale_segments` unlinks every segment nobody holds that 
 own pid namespace or another's (containers sharing one /dev/shm volume each have their own).
 Mappings that are open stay valid after an unlink.
 
-`SharedMemoryTransport` ("shm") is the receiver's side of this path (kvtransfer.transport): its
-probe is `open_peer_pool`, and a transfer is one pool-to-pool copy out of the mapped segment.
+With tensor parallelism each rank's pool is a segment of its own (named in the handshake's
+`KVLayout.ranks`, each with its own probe token). `SharedMemoryTransport` ("shm") is the receiver's
+side of this path (kvtransfer.transport): its probe is `open_peer_pool`, once per prefill rank it
+reads from, and a transfer copies each of our ranks' heads out of the mapped segments.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ import time
 
 import torch
 
-from pdserve.kvtransfer.layout import layout_shape
+from pdserve.kvtransfer.heads import rank_shape
 from pdserve.kvtransfer.messages import KVLayout
 from pdserve.kvtransfer.payload import DTYPES, dtype_name
-from pdserve.kvtransfer.transport import PeerPoolCopy, Send
+from pdserve.kvtransfer.transport import PeerPoolCopy
 
 log = logging.getLogger(__name__)
 
@@ -124,20 +126,24 @@ class SharedKVPool:
         self.close()
 
 
-def open_peer_pool(layout: KVLayout, probe_token: str) -> torch.Tensor | None:
-    """Map a peer's pool if its segment is here, has the size `layout` implies, and carries
-    `probe_token`; else None (never raises for a missing, foreign or mismatched segment)."""
-    name = layout.shm_name
-    if not name or not _NAME_RE.match(name) or layout.dtype not in DTYPES:
+def open_peer_pool(layout: KVLayout, rank: int = 0) -> torch.Tensor | None:
+    """Map the pool of the peer's rank `rank` if its segment is here, has the size `layout` implies
+    for that rank's heads, and carries the rank's probe token; else None (never raises for a
+    missing, foreign or mismatched segment)."""
+    if not 0 <= rank < len(layout.ranks) or layout.dtype not in DTYPES:
+        return None
+    entry = layout.ranks[rank]
+    name = entry.shm_name
+    if not name or not _NAME_RE.match(name):
         return None
     try:
-        probe = bytes.fromhex(probe_token)
+        probe = bytes.fromhex(entry.probe_token)
     except ValueError:
         return None
     if len(probe) != PROBE_BYTES:
         return None
     dtype = DTYPES[layout.dtype]
-    shape = layout_shape(layout)
+    shape = rank_shape(layout, entry)
     if min(shape) <= 0:
         return None
     nbytes = _pool_nbytes(shape, dtype)
@@ -153,12 +159,12 @@ def open_peer_pool(layout: KVLayout, probe_token: str) -> torch.Tensor | None:
 
 
 class SharedMemoryTransport(PeerPoolCopy):
-    """Same host, CPU pools: the handle is the peer's pool mapped from its segment."""
+    """Same host, CPU pools: the handle holds the peer ranks' pools mapped from their segments."""
 
     name = "shm"
 
-    def open(self, peer_layout: KVLayout, send: Send) -> torch.Tensor | None:
-        return open_peer_pool(peer_layout, peer_layout.probe_token)
+    def open_rank(self, peer_layout: KVLayout, rank: int) -> torch.Tensor | None:
+        return open_peer_pool(peer_layout, rank)
 
 
 # Map every page at once: the pool is resident from the start, like a private pool (torch.zeros

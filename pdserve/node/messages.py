@@ -1,8 +1,9 @@
 """Wire messages built from a node's engine state, shared by the prefill and the decode node
-(plain reads of engine attributes: nothing here runs the model)."""
+(plain reads of engine attributes: nothing here runs the model), and the KV pool the hand-off uses."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from pdserve.engine.dtypes import dtype_name
@@ -39,3 +40,20 @@ def register_message(node_id: str, role: str, engine, served_model_name: str, kv
                     num_total_blocks=engine.block_manager.num_blocks, block_size=engine.config.block_size,
                     max_model_len=engine.config.max_model_len, host_id=host_id(), pid=os.getpid(),
                     max_num_seqs=engine.config.max_num_seqs)
+
+
+def kv_shards(engine, shm_pool=None) -> list:
+    """Every rank's KV pool, as the hand-off reads and writes it (KVSender, KVReceiver): the
+    runner's shards (tensor parallelism: the node process maps every rank's pool), or, from a
+    runner without them, one shard holding every head. `shm_pool`: the SharedKVPool the node's
+    allocator put rank 0's pool in, named in its shard when the runner did not name it already."""
+    from pdserve.engine.parallel.kv_shards import KVShard  # torch: only where an engine runs
+
+    runner = engine.runner
+    shards = list(getattr(runner, "kv_shards", None) or [])
+    if not shards:
+        shards = [KVShard(0, 0, engine.model_config.num_kv_heads, runner.kv_buffer)]
+    if shm_pool is not None:
+        shards = [dataclasses.replace(s, shm=shm_pool)
+                  if s.shm is None and s.tensor.data_ptr() == shm_pool.tensor.data_ptr() else s for s in shards]
+    return shards

@@ -5,7 +5,9 @@ Most of them are read from the node's state when Prometheus scrapes (`NodeSnapsh
 node's `metrics_snapshot()` in the status thread), so the engine loop pays nothing per step. The
 KV transfer histograms are observed when a transfer ends (decode side: pull start → "done").
 A decode node also exports the peers its KV socket refused (`pdserve_auth_refusals_total{reason}`,
-counted by its KVReceiver; see kvtransfer.curve for the reasons).
+counted by its KVReceiver; see kvtransfer.curve for the reasons), and the KV bytes each of its
+tensor-parallel ranks received (`pdserve_kv_bytes_received_by_rank_total{rank}`: exactly the bytes
+of that rank's KV heads; one series per rank, rank "0" alone without tensor parallelism).
 Every series carries `node_id` and `role` labels; names follow vLLM's where it has the metric.
 One `CollectorRegistry` per node object, never the global one, so in-process tests can hold many.
 """
@@ -46,6 +48,7 @@ class NodeSnapshot:
     num_generation_tokens: int = 0  # tokens sampled here
     num_outstanding_prompt_tokens: int = 0  # prefill: prompt tokens queued or in progress
     auth_refusals: dict[str, int] | None = None  # decode: peers refused on the CURVE KV socket, by reason
+    bytes_received_by_rank: list[int] | None = None  # decode: KV bytes copied into rank r's pool, at r
     spec: SpecDecodeStats | None = None  # speculative decoding's counters (None: not speculating)
 
 
@@ -127,6 +130,13 @@ class NodeStateCollector:
         sent_received.add_metric([*self._labels, "sent"], snap.num_bytes_sent)
         sent_received.add_metric([*self._labels, "received"], snap.num_bytes_received)
         yield sent_received
+        if snap.bytes_received_by_rank is not None:
+            by_rank = CounterMetricFamily("pdserve_kv_bytes_received_by_rank", "KV bytes copied into each "
+                                          "tensor-parallel rank's pool of a decode node (exactly that rank's KV "
+                                          "heads), by any path", labels=["node_id", "role", "rank"])
+            for rank, num_bytes in enumerate(snap.bytes_received_by_rank):
+                by_rank.add_metric([*self._labels, str(rank)], num_bytes)
+            yield by_rank
         transfers = CounterMetricFamily("pdserve_kv_transfers", "KV transfers completed by a decode node, by "
                                         "path", labels=["node_id", "role", "path"])
         transfers.add_metric([*self._labels, "shm"], snap.num_shm_transfers)

@@ -124,8 +124,22 @@ def serve_node(node: Node, link: RouterLink | RouterLinks, *, stop_flag: list[bo
     """A node's life: register, loop until asked to stop, then drain: heartbeats say "not ready"
     so the router sends nothing new, the node finishes what it holds (for at most
     `drain_timeout_s`), then deregisters (the router re-dispatches anything left) and returns.
-    `stop_flag[0]` is set by the stop handlers (sockets are only touched from this loop)."""
+    `stop_flag[0]` is set by the stop handlers (sockets are only touched from this loop).
+    A step that raises (a tensor-parallel rank died, say) fails the node as a whole: it
+    deregisters at once, so the router re-dispatches its requests without waiting for the
+    heartbeat timeout, and the error propagates (the process exits non-zero; a supervisor
+    restarts it)."""
     link.register()
+    try:
+        _node_loop(node, link, stop_flag, drain_timeout_s, stats)
+    except Exception:
+        logger.exception("%s failed; deregistering", link.register_msg.node_id)
+        link.deregister()
+        raise
+
+
+def _node_loop(node: Node, link: RouterLink | RouterLinks, stop_flag: list[bool], drain_timeout_s: float,
+               stats: StatsLogger | None) -> None:
     drain_deadline = None
     while True:
         node.run_once()

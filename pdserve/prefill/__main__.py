@@ -48,21 +48,28 @@ def build_node(setup):
             except OSError as e:  # /dev/shm too small (Docker's default is 64 MiB): a private pool
                 logger.warning("no shared-memory KV pool (%s); decode nodes will pull over ZMQ", e)
                 return torch.zeros(shape, dtype=dtype, device=device)
-            return shm_pool.tensor
+            return shm_pool  # the runner names it in its KV shard (runner.kv_shards[0].shm)
 
     if args.role == "prefill":  # it samples first tokens and hands requests off: nothing to speculate
         args.speculative_config = None
     engine = build_engine(args, kv_allocator=allocator)
+    setup.close_later(engine)  # a tensor-parallel node's ranks stop with it
     link = setup.router_link(engine)
     make_sender = None
     if args.role == "prefill":
+        import dataclasses
+
         from pdserve.kvtransfer.sender import KVSender
-        from pdserve.node.messages import kv_layout
+        from pdserve.node.messages import kv_layout, kv_shards
+
+        shards = kv_shards(engine, shm_pool)  # every rank's pool (tensor parallelism), or the one
+        if args.no_shm:  # ranks in /dev/shm (TP > 1 on the CPU) are still not offered to peers
+            shards = [dataclasses.replace(s, shm=None) if s.shm is not None else s for s in shards]
 
         def make_sender(release, on_error):
-            sender = KVSender(setup.node_id, kv_layout(engine, setup.served_model_name), engine.runner.kv_buffer,
-                              release, lease_s=args.lease_s, shm_pool=shm_pool, curve=setup.curve,
-                              faults=setup.faults, on_error=on_error, insecure=args.insecure)
+            sender = KVSender(setup.node_id, kv_layout(engine, setup.served_model_name), shards, release,
+                              lease_s=args.lease_s, curve=setup.curve, faults=setup.faults, on_error=on_error,
+                              insecure=args.insecure)
             return setup.close_later(sender)
 
     return PrefillNode(engine, link, role=args.role, make_sender=make_sender, max_queue_len=args.max_queue_len,

@@ -11,7 +11,9 @@ A request's states here:
                  (they stay in the prefix cache until evicted)
 
 Ownership: the scheduler owns a request's blocks until `detach`; from then on the KVSender's
-lease table owns them and calls `_release` once.
+lease table owns them and calls `_release` once. With tensor parallelism the block ids are the
+same on every rank: one release frees the request's KV on all of them, whatever the decode
+node's TP size (the sender serves each decode rank its heads from the ranks holding them).
 
 n > 1 (parallel sampling): the prompt is prefilled once and its step draws every choice's first
 token; the engine forks the request into choices `{id}#{i}`, each reported in its own FirstToken.

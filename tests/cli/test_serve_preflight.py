@@ -91,6 +91,23 @@ def test_plan_passes_router_args_such_as_max_lag_to_the_router():
         assert router_parser().parse_args(_node_argv(commands["router"])).max_lag == max_lag
 
 
+def test_plan_gives_node_i_the_ith_role_args_and_splits_threads_over_every_rank(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 12)
+    parser = build_parser()
+    args = parser.parse_args(["--model", "some/dir", "--num-prefill", "3", "--num-decode", "2",
+                              "--prefill-args", "--tensor-parallel-size 2", "--prefill-args", "--max-num-seqs 8",
+                              "--decode-args=--tensor-parallel-size=4"])
+    commands = {name: _node_argv(argv) for name, argv in plan(args, parser, "abc123")}
+    assert commands["prefill-0"][-2:] == ["--tensor-parallel-size", "2"]
+    assert commands["prefill-1"][-2:] == ["--max-num-seqs", "8"]
+    assert commands["prefill-2"][-2:] == ["--max-num-seqs", "8"]  # past the list: the last one
+    assert commands["decode-0"][-1] == commands["decode-1"][-1] == "--tensor-parallel-size=4"
+    # 2 + 1 + 1 prefill ranks and 4 + 4 decode ranks share the 12 cores: one thread per rank.
+    for name in ("prefill-0", "prefill-1", "decode-1"):
+        argv = commands[name]
+        assert argv[argv.index("--num-threads") + 1] == "1"
+
+
 class _Health(BaseHTTPRequestHandler):
     answer: tuple[int, dict] = (200, {})
 

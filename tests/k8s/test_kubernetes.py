@@ -6,6 +6,7 @@ that make pools scale, drain, autoscale and stay private hang together."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -605,3 +606,21 @@ def test_pods_meet_the_restricted_pod_security_standard(name):
             assert security["capabilities"]["drop"] == ["ALL"], (role, c["name"])
         for volume in spec["volumes"]:
             assert set(volume) - {"name"} <= {"emptyDir", "secret"}, (role, volume)
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_tensor_parallel_component_sets_the_prefill_pool_only(name, tmp_path):
+    """components/tensor-parallel on either overlay: prefill pods parse to TP 2, decode pods stay at 1
+    (its JSON patch checks the flag's position, so a moved flag fails the render instead of
+    replacing another value)."""
+    def rel(path: Path) -> str:  # kustomize refuses absolute paths
+        return os.path.relpath(path, tmp_path)
+
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {rel(K8S_DIR / 'overlays' / name)}\n"
+        f"components:\n  - {rel(K8S_DIR / 'components' / 'tensor-parallel')}\n")
+    objs = render(tmp_path)
+    assert parsed_args(objs, "prefill").tensor_parallel_size == 2
+    assert parsed_args(objs, "decode").tensor_parallel_size == 1
+    assert parsed_args(overlay(name), "prefill").tensor_parallel_size == 1

@@ -13,7 +13,7 @@ import torch
 import zmq
 
 from pdserve.kvtransfer.layout import layout_shape
-from pdserve.kvtransfer.messages import KVLayout, KVReady, Message
+from pdserve.kvtransfer.messages import KVLayout, KVRank, KVReady, Message
 from pdserve.kvtransfer.payload import DTYPES
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
@@ -24,9 +24,13 @@ TEST_DTYPES = ["float32", "bfloat16"]
 
 
 def make_layout(*, block_size: int = 16, num_blocks: int = 16, dtype: str = "float32", num_layers: int = 2,
-                num_kv_heads: int = 2, head_dim: int = 16, model: str = "tiny", **kw) -> KVLayout:
+                num_kv_heads: int = 2, head_dim: int = 16, model: str = "tiny", ranks: list[KVRank] | None = None,
+                **rank_kw) -> KVLayout:
+    """A layout without tensor parallelism unless `ranks` says otherwise: one rank holding every
+    head, its same-host fields (shm_name, probe_token...) from `rank_kw`."""
+    ranks = ranks if ranks is not None else [KVRank(0, num_kv_heads, **rank_kw)]
     return KVLayout(model=model, dtype=dtype, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, **kw)
+                    head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, tp_size=len(ranks), ranks=ranks)
 
 
 def make_pool(layout: KVLayout, *, seed: int | None = 0) -> torch.Tensor:

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.kvtransfer.messages import KVLayout
+from pdserve.kvtransfer.messages import KVLayout, KVRank
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in gpu_check.sh)")]
@@ -33,12 +33,14 @@ def test_a_peer_process_maps_the_pool_by_handle():
     owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         msg = msgpack.unpackb(owner.stdout.readline()[:-1], raw=False)
-        layout = KVLayout(model="m", dtype="float32", **SHAPE, device_uuid=msg["uuid"], cuda_ipc=msg["info"])
+        rank = KVRank(0, 2, device_uuid=msg["uuid"], cuda_ipc=msg["info"])
+        layout = KVLayout(model="m", dtype="float32", **SHAPE, ranks=[rank])
         pool = open_peer_pool(layout)
         assert pool is not None
         want = torch.arange(pool.numel(), dtype=torch.float32, device=pool.device).view(pool.shape)
         assert torch.equal(pool, want)
-        wrong = KVLayout(model="m", dtype="float32", **SHAPE, device_uuid="GPU-nope", cuda_ipc=msg["info"])
+        wrong = KVLayout(model="m", dtype="float32", **SHAPE,
+                         ranks=[KVRank(0, 2, device_uuid="GPU-nope", cuda_ipc=msg["info"])])
         assert open_peer_pool(wrong) is None
     finally:
         owner.stdin.write(b"\n")

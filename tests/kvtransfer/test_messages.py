@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from pdserve.kvtransfer import messages as m
 
+RANK = m.KVRank(head_start=1, head_end=2, shm_name="pdserve-x", probe_token="ab12")
 LAYOUT = m.KVLayout(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,
-                    num_blocks=64, shm_name="pdserve-x", probe_token="ab12")
+                    num_blocks=64, tp_size=2, ranks=[m.KVRank(0, 1, device_uuid="GPU-1", cuda_ipc={"size": 4}), RANK])
 TOKEN = m.Token(request_id="r1", index=3, token_id=42, logprobs={42: -0.1, 7: -2.5}, finish_reason=None)
 EXAMPLES = [
     m.Register(node_id="p0", role="prefill", model="tiny", kv_addr="", metrics_url="http://127.0.0.1:1",
@@ -30,13 +31,14 @@ EXAMPLES = [
     m.TokenBatch.from_tokens("d0", [TOKEN, dataclasses.replace(TOKEN, index=4, logprobs=None, finish_reason="stop")]),
     m.Abort(request_id="r1", reason="client gone"),
     m.Error(request_id="r1", node_id="d0", message="boom", retryable=True),
+    RANK,
     LAYOUT,
     m.Handshake(node_id="p0", layout=LAYOUT),
     m.HandshakeAck(node_id="d0", ok=False, error="dtype differs", same_host=False),
     m.KVReady(request_id="r1", prompt_token_ids=[1, 2, 3], first_token=9, first_logprobs=None,
               sampling={"max_tokens": 5}, num_tokens=3, block_ids=[4], block_size=16, lease_s=30.0, priority=0),
-    m.KVPull(request_id="r1"),
-    m.KVData(request_id="r1", ok=True, dtype="bfloat16", shape=[2, 2, 3, 2, 16]),
+    m.KVPull(request_id="r1", head_ranges=[[0, 1], [1, 2]]),
+    m.KVData(request_id="r1", ok=True, dtype="bfloat16", shapes=[[2, 2, 3, 1, 16], [2, 2, 3, 1, 16]]),
     m.LeaseRenew(request_id="r1"),
     m.KVDone(request_id="r1", ok=True),
 ]
@@ -162,3 +164,30 @@ def test_a_list_past_the_element_limit_is_refused(monkeypatch):
     batch = m.TokenBatch.from_tokens("d0", [m.Token(f"r{i}", 1, 5) for i in range(1200)])
     with pytest.raises(m.MessageError, match="not msgpack"):
         m.decode(batch.encode())
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["ranks"][0].update(head_start="x"), "expected int"),
+    (lambda d: d["ranks"][1].update(version=99), "protocol version"),
+    (lambda d: d["ranks"][0].update(extra=1), "unknown field"),
+    (lambda d: d["ranks"].append(msgpack.unpackb(m.KVPull(request_id="r1").encode())), "expected kv_rank"),
+    (lambda d: d.update(ranks=5), "expected a list"),
+    (lambda d: d.update(ranks=[5]), "a message must be a map"),
+])
+def test_malformed_rank_layouts_are_refused(mutate, match):
+    """A layout's ranks are nested messages in a list: each is checked like any message."""
+    wire = msgpack.unpackb(LAYOUT.encode(), strict_map_key=False)
+    mutate(wire)
+    with pytest.raises(m.MessageError, match=match):
+        m.decode(msgpack.packb(wire, use_bin_type=True))
+    handshake = msgpack.unpackb(m.Handshake(node_id="p0", layout=LAYOUT).encode(), strict_map_key=False)
+    with pytest.raises(m.MessageError, match=match):  # nested one level deeper, in a Handshake
+        m.decode(msgpack.packb({**handshake, "layout": wire}, use_bin_type=True))
+
+
+@pytest.mark.parametrize("ranges", [[[0, 1, 2]], [[1]], [[]]])
+def test_a_head_range_is_a_pair(ranges):
+    wire = msgpack.unpackb(m.KVPull(request_id="r1").encode(), strict_map_key=False)
+    wire["head_ranges"] = ranges
+    with pytest.raises(m.MessageError, match="a head range is"):
+        m.decode(msgpack.packb(wire))

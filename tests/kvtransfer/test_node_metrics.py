@@ -160,6 +160,8 @@ def test_handoff_moves_node_metrics(tiny_llama, no_leak):
     assert value(p, "pdserve_prefix_cache_queries_total", **NODE | {"node_id": "p0"}) == len(prompt)
     assert value(p, "pdserve_kv_transfer_bytes_total", node_id="p0", role="prefill", direction="sent") == num_bytes
     assert value(d, "pdserve_kv_transfer_bytes_total", **dl, direction="received") == num_bytes
+    assert value(d, "pdserve_kv_bytes_received_by_rank_total", **dl, rank="0") == num_bytes  # no TP: one rank
+    assert not [k for k in d if k[0] == "pdserve_kv_bytes_received_by_rank_total" and ("rank", "1") in k[1]]
     assert value(d, "pdserve_kv_transfers_total", **dl, path="zmq") == 1
     assert value(d, "pdserve_kv_transfer_seconds_count", **dl) == 1
     assert value(d, "pdserve_kv_transfer_bandwidth_bytes_per_second_count", **dl) == 1

@@ -17,8 +17,9 @@ from pdserve.kvtransfer.shm import (
 from .conftest import make_layout
 
 
-def _layout_for(pool: SharedKVPool, **kw):
-    return make_layout(block_size=8, num_blocks=4, dtype="bfloat16", shm_name=pool.name, **kw)
+def _layout_for(pool: SharedKVPool, probe_token: str | None = None, **kw):
+    return make_layout(block_size=8, num_blocks=4, dtype="bfloat16", shm_name=pool.name,
+                       probe_token=pool.probe_token if probe_token is None else probe_token, **kw)
 
 
 def _create() -> SharedKVPool:
@@ -30,7 +31,7 @@ def test_create_map_and_close():
     try:
         assert os.path.exists(pool.path) and str(os.getpid()) in pool.name
         assert pool.tensor.shape == (2, 2, 4, 8, 2, 16) and not pool.tensor.any()
-        peer = open_peer_pool(_layout_for(pool), pool.probe_token)
+        peer = open_peer_pool(_layout_for(pool))
         assert peer is not None
         pool.tensor[1, 0, 3, 7] = 2.5  # the peer sees the same memory
         assert peer[1, 0, 3, 7].eq(2.5).all()
@@ -44,14 +45,14 @@ def test_create_map_and_close():
 def test_open_peer_pool_refuses_mismatches():
     pool = _create()
     try:
-        layout = _layout_for(pool)
-        other_token = os.urandom(PROBE_BYTES).hex()
-        assert open_peer_pool(layout, other_token) is None  # wrong probe
-        assert open_peer_pool(layout, "not hex") is None
-        assert open_peer_pool(_layout_for(pool, num_layers=3), pool.probe_token) is None  # wrong size
-        assert open_peer_pool(make_layout(shm_name="../../etc/passwd"), pool.probe_token) is None
-        assert open_peer_pool(make_layout(shm_name=pool.name + "0"), pool.probe_token) is None  # missing
-        assert open_peer_pool(make_layout(), pool.probe_token) is None  # no segment announced
+        token = pool.probe_token
+        assert open_peer_pool(_layout_for(pool, os.urandom(PROBE_BYTES).hex())) is None  # wrong probe
+        assert open_peer_pool(_layout_for(pool, "not hex")) is None
+        assert open_peer_pool(_layout_for(pool, num_layers=3)) is None  # wrong size
+        assert open_peer_pool(make_layout(shm_name="../../etc/passwd", probe_token=token)) is None
+        assert open_peer_pool(make_layout(shm_name=pool.name + "0", probe_token=token)) is None  # missing
+        assert open_peer_pool(make_layout(probe_token=token)) is None  # no segment announced
+        assert open_peer_pool(_layout_for(pool), rank=1) is None  # no such rank
         assert not os.path.exists(os.path.join(SHM_DIR, pool.name + "0")), "probing must not create files"
     finally:
         pool.close()
@@ -65,7 +66,7 @@ def test_fake_segment_with_the_right_name_and_size_is_rejected():
     with open(pool.path, "wb") as f:  # an impostor at the same path
         f.write(os.urandom(size))
     try:
-        assert open_peer_pool(_layout_for(pool), token) is None
+        assert open_peer_pool(_layout_for(pool, token)) is None
     finally:
         os.unlink(pool.path)
 

@@ -2,6 +2,7 @@
 shared memory), refused handshakes, and garbage on both sockets."""
 
 import os
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -71,7 +72,9 @@ def test_probe_rejects_a_fake_segment(closing, shm_pool_factory):
     layout = make_layout()
     pool = shm_pool_factory(layout)
     released = ReleaseLog()
-    sender = KVSender("p0", make_layout(shm_name=pool.name), pool.tensor, released, probe_token=os.urandom(16).hex())
+    impostor = SimpleNamespace(name=pool.name, probe_token=os.urandom(16).hex(), tensor=pool.tensor)
+    sender = KVSender("p0", layout, pool.tensor, released, shm_pool=impostor)
+    assert sender.layout.ranks[0].shm_name == pool.name
     receiver = KVReceiver("d0", layout, make_pool(layout, seed=None))
     closing(receiver)
     closing(sender)
@@ -116,7 +119,7 @@ def test_garbage_on_both_sockets_is_dropped(make_pair):
     for g in GARBAGE:
         assert send_within(stranger, g)
     assert send_within(stranger, b"\x92", b"junk frame")
-    send_msg(stranger, KVData("r1", ok=True, dtype="float32", shape=[1]), b"\x00" * 4)
+    send_msg(stranger, KVData("r1", ok=True, dtype="float32", shapes=[[1]]), b"\x00" * 4)
     send_msg(stranger, make_ready("rX", [0], 4, 16))  # no handshake: refused, no event
     # garbage into the sender, through the receiver's ROUTER (the sender's identity is its peer key)
     (sender_identity,) = list(pair.receiver._peers)

@@ -117,7 +117,7 @@ def test_pull_that_never_answers_times_out(make_pair, fake_prefill):
         events += pair.receiver.poll(10)
     assert recv_msg_within(prefill) == HandshakeAck("d0", ok=True, same_host=False)
     pair.receiver.pull("r1", [3])
-    assert recv_msg_within(prefill) == KVPull("r1")
+    assert recv_msg_within(prefill) == KVPull("r1", head_ranges=[[0, 2]])  # every head, for our one rank
     clock.advance(4)
     assert not pair.receiver.poll(0)
     clock.advance(2)

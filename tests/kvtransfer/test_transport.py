@@ -4,6 +4,7 @@ and bytes per transport name, and a new backend added as one class plus one list
 
 import pytest
 
+from pdserve.engine.parallel.kv_shards import KVShard
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.layout import bytes_per_token
 from pdserve.kvtransfer.payload import gather_tokens
@@ -23,7 +24,7 @@ class Loopback(PeerPoolCopy):
     same_host = False
     pool = None
 
-    def open(self, peer_layout, send):
+    def open_rank(self, peer_layout, rank):
         return type(self).pool
 
 
@@ -125,4 +126,5 @@ def test_outcomes():
 
 def test_cuda_ipc_advertises_nothing_for_a_cpu_pool():
     layout = make_layout()
-    assert cuda_ipc.advertise(layout, make_pool(layout)) is layout
+    entry = layout.ranks[0]
+    assert cuda_ipc.advertise(entry, KVShard(0, 0, 2, make_pool(layout))) is entry

@@ -24,9 +24,12 @@ class Bf16ViaFp32Linear(nn.Module):
         bias = linear.bias
         self.register_buffer("bias32", None if bias is None else bias.detach().to(torch.bfloat16).float(),
                              persistent=False)
+        # a tensor-parallel layer's collective (engine/parallel/layers.py), kept across the swap
+        self.tp_combine = getattr(linear, "tp_combine", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
+        y = F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
+        return y if self.tp_combine is None else self.tp_combine(y)
 
 
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:

@@ -4,6 +4,10 @@ Linear layers act on `[T, hidden]`; only attention knows request boundaries, thr
 `AttentionMetadata` and the paged KV cache. Numerics follow transformers' implementation
 (RMSNorm in float32, RoPE tables in float32 cast to the activation dtype) so that greedy
 outputs match it token for token in float32.
+
+With tensor parallelism (engine/parallel/) the model is built as the shard of this process's rank
+(`tp_rank()` of `tp_size()`): its query and KV heads, its MLP rows, its vocab rows; `load_weights`
+slices the full checkpoint tensors. At size 1 that is the whole model, with no collective.
 """
 
 from __future__ import annotations
@@ -17,6 +21,14 @@ from torch import nn
 
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pdserve.engine.parallel.sharding import check_tp, kv_head_range, q_head_range, shard_range
+from pdserve.engine.parallel.state import tp_rank, tp_size
 from pdserve.kernels import paged_attention, store_kv
 
 
@@ -74,14 +86,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rank: int, size: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_start, q_end = q_head_range(rank, size, config.num_heads)
+        kv_start, kv_end = kv_head_range(rank, size, config.num_kv_heads)
+        # this rank's heads only: its KV pool holds KV heads [kv_start, kv_end)
+        self.num_heads, self.num_kv_heads, self.head_dim = q_end - q_start, kv_end - kv_start, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        d = self.head_dim
+        q_part = (q_start * d, q_end * d, config.num_heads * d)
+        kv_part = (kv_start * d, kv_end * d, config.num_kv_heads * d)
         # q, k and v in one matmul; loaded from the checkpoint's separate q/k/v_proj.
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q_part, kv_part, kv_part], bias=config.qkv_bias)
+        self.o_proj = RowParallelLinear(q_part, config.hidden_size, size)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -108,10 +126,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rank: int, size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        start, end = shard_range(rank, size, config.intermediate_size)
+        part = (start, end, config.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(part, config.hidden_size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -119,10 +139,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rank: int, size: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, rank, size)
+        self.mlp = MLP(config, rank, size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -135,10 +155,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        # the shard of this process's tensor-parallel rank (rank 0 of 1: the whole model)
+        rank, size = self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        check_tp(config, size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, rank, size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rank, size) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, rank, size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_len)
@@ -156,55 +179,63 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [S, vocab]
+        """Full-vocab float32 logits [S, vocab] on every rank (the lm_head gathers the vocab shards)."""
+        return self.lm_head(hidden).float()
 
     # ---- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, fusing q/k/v and gate/up. Raises on a missing or unknown weight."""
+        """Copy checkpoint tensors in, fusing q/k/v and gate/up; a sharded layer takes its rank's
+        slice of each full tensor (`load_shard`). Raises on a missing or unknown weight."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
-            target, rows = self._fused_target(name)
+            target, part = _fused_target(name)
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint")
-            param = params[target]
+            module_name, _, param_name = target.rpartition(".")
+            module = modules[module_name]
             with torch.no_grad():
-                dest = param if rows is None else param[rows[0] : rows[1]]
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"weight {name!r}: checkpoint shape {tuple(tensor.shape)}, model {tuple(dest.shape)}")
-                dest.copy_(tensor)
-            loaded.add(f"{target}:{rows}")
-        self._check_all_loaded(params, loaded)
+                try:
+                    if hasattr(module, "load_shard"):
+                        module.load_shard(param_name, tensor, part)
+                    else:
+                        _copy_whole(params[target], tensor)
+                except ValueError as exc:
+                    raise ValueError(f"weight {name!r}: {exc}") from None
+            loaded.add(f"{target}:{part}")
+        _check_all_loaded(params, loaded)
 
-    def _fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
-        """Checkpoint name → (our parameter, its row range) for the fused projections."""
-        cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        parts = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, q + kv),
-            "v_proj": ("qkv_proj", q + kv, q + 2 * kv),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, 2 * inter),
-        }
-        for part, (fused, start, end) in parts.items():
-            if f".{part}." in name:
-                return name.replace(part, fused), (start, end)
-        return name, None
 
-    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
-        expected_parts = {"qkv_proj": 3, "gate_up_proj": 2}
-        missing = []
-        for name in params:
-            fused = next((f for f in expected_parts if f".{f}." in name), None)
-            if fused is None:
-                ok = f"{name}:None" in loaded
-            else:
-                ok = sum(1 for key in loaded if key.startswith(name + ":")) == expected_parts[fused]
-            if not ok:
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
+# checkpoint projection -> (our fused projection, its part index)
+_FUSED_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+def _fused_target(name: str) -> tuple[str, int]:
+    """Checkpoint name → (our parameter, the part of it the tensor fills: 0 when not fused)."""
+    for part_name, (fused, part) in _FUSED_PARTS.items():
+        if f".{part_name}." in name:
+            return name.replace(part_name, fused), part
+    return name, 0
+
+
+def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+    param.copy_(tensor)
+
+
+def _check_all_loaded(params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        fused = next((f for f in _NUM_PARTS if f".{f}." in name), None)
+        num_parts = 1 if fused is None else _NUM_PARTS[fused]
+        if any(f"{name}:{part}" not in loaded for part in range(num_parts)):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weight(s), e.g. {missing[:3]}")
