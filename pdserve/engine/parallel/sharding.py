@@ -48,22 +48,15 @@ def _check_rank(rank: int, size: int) -> None:
 
 def q_head_range(rank: int, size: int, num_heads: int) -> tuple[int, int]:
     """[start, end) of the query heads rank `rank` of `size` holds."""
-    _check_rank(rank, size)
-    if num_heads % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {num_heads} attention heads")
-    per_rank = num_heads // size
-    return rank * per_rank, (rank + 1) * per_rank
+    return shard_range(rank, size, num_heads, "attention heads")
 
 
 def kv_head_range(rank: int, size: int, num_kv_heads: int) -> tuple[int, int]:
     """[start, end) of the KV heads rank `rank` of `size` holds: its 1/size share, or one replicated
     head when size exceeds num_kv_heads."""
-    _check_rank(rank, size)
     if num_kv_heads >= size:
-        if num_kv_heads % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {num_kv_heads} KV heads")
-        per_rank = num_kv_heads // size
-        return rank * per_rank, (rank + 1) * per_rank
+        return shard_range(rank, size, num_kv_heads, "KV heads")
+    _check_rank(rank, size)
     if size % num_kv_heads:
         raise ValueError(f"tensor_parallel_size {size} is not a multiple of the model's {num_kv_heads} KV heads "
                          "(needed to replicate them)")
@@ -77,11 +70,13 @@ def num_kv_heads_per_rank(model_config: _Shape, size: int) -> int:
     return end - start
 
 
-def shard_range(rank: int, size: int, total: int) -> tuple[int, int]:
-    """[start, end) of an evenly divisible dimension (intermediate rows, o_proj input columns...)."""
+def shard_range(rank: int, size: int, total: int, what: str = "") -> tuple[int, int]:
+    """[start, end) of an evenly divisible dimension (heads, intermediate rows, o_proj input
+    columns...); `what` names it in the error ("attention heads": "the model's 9 attention heads")."""
     _check_rank(rank, size)
     if total % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide {total}")
+        raise ValueError(f"tensor_parallel_size {size} does not divide "
+                         + (f"the model's {total} {what}" if what else str(total)))
     per_rank = total // size
     return rank * per_rank, (rank + 1) * per_rank
 
