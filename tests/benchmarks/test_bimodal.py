@@ -82,14 +82,22 @@ def test_sjf_report_from_hand_built_runs(tmp_path, capsys):
     from benchmarks.sjf import build_parser
 
     args: argparse.Namespace = build_parser().parse_args(["--out", str(tmp_path), "--model", "m"])
-    runs = {p: BenchmarkRun(start=0.0, end=2.0, records=[make_record(i, ttft_ms=ms * (i + 1)) for i in range(3)])
-            for p, ms in (("fcfs", 100.0), ("sjf", 50.0))}
-    write_outputs(args, 4.0, runs)
+    def runs(fcfs_ms: float, sjf_ms: float) -> dict:
+        return {p: BenchmarkRun(start=0.0, end=2.0, records=[make_record(i, ttft_ms=ms * (i + 1)) for i in range(3)])
+                for p, ms in (("fcfs", fcfs_ms), ("sjf", sjf_ms))}
+
+    # two rounds: SJF at half of FCFS, then at 0.8 of it
+    write_outputs(args, 4.0, [runs(100.0, 50.0), runs(100.0, 80.0)])
     text = (tmp_path / "sjf.md").read_text()
-    assert "| fcfs | all | 3 | 200 | 200 |" in text and "| sjf | max_tokens=1 | 3 | 100 | 100 |" in text
+    # pooled over the rounds: FCFS 200 ms mean both times, SJF 100 then 160
+    assert "| fcfs | all | 6 | 200 | 200 |" in text and "| sjf | max_tokens=1 | 6 | 130 | 125 |" in text
+    assert "| 1 | fcfs, sjf | sjf / fcfs | 0.20 / 0.20 | 0.10 / 0.10 | 0.500 | 0.500 |" in text
+    assert "| median of 2 | | sjf / fcfs | | | **0.650** | **0.650** |" in text
     doc = json.loads((tmp_path / "sjf.json").read_text())
     assert doc["config"]["request_rate"] == 4.0
-    assert doc["policies"]["sjf"]["e2e_by_output_len"]["all"]["mean_e2el_ms"] == pytest.approx(100.0)
+    assert doc["rounds"][0]["sjf"]["e2e_by_output_len"]["all"]["mean_e2el_ms"] == pytest.approx(100.0)
+    assert doc["pooled"]["sjf"]["all"]["mean_e2el_ms"] == pytest.approx(130.0)
+    assert [r["mean_ratio"] for r in doc["ratios"]] == pytest.approx([0.5, 0.8])
     assert "wrote" in capsys.readouterr().out
 
 
@@ -108,12 +116,15 @@ def test_sjf_benchmark_runs_both_policies_on_tiny_stacks(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.sjf", "--model", str(model), "--num-prompts", "16", "--input-len", "8",
-         "--output-lens", "4,32", "--calibration-prompts", "8", "--decode-args", "--max-num-seqs 2",
+         "--output-lens", "4,32", "--rounds", "2", "--calibration-prompts", "8", "--decode-args", "--max-num-seqs 2",
          "--sjf-aging-s", "5", "--num-warmups", "1", "--out", str(out)],
         env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads((out / "sjf.json").read_text())
-    for policy in ("fcfs", "sjf"):
-        summary = doc["policies"][policy]["summary"]
-        assert summary["completed"] == 16 and summary["failed"] == 0
-        assert set(doc["policies"][policy]["e2e_by_output_len"]) == {"all", "max_tokens=4", "max_tokens=32"}
+    assert [list(r) for r in doc["rounds"]] == [["fcfs", "sjf"], ["sjf", "fcfs"]]  # the order alternates
+    for runs in doc["rounds"]:
+        for policy in ("fcfs", "sjf"):
+            summary = runs[policy]["summary"]
+            assert summary["completed"] == 16 and summary["failed"] == 0
+            assert set(runs[policy]["e2e_by_output_len"]) == {"all", "max_tokens=4", "max_tokens=32"}
+    assert len(doc["ratios"]) == 2 and "steady TPOT" in (out / "sjf.md").read_text()
