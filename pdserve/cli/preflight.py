@@ -66,6 +66,13 @@ def check_role_args(values: dict[str, str], curve_keys: str | None = None) -> st
     return None
 
 
+def parse_node_args(role: str, argv: list[str]) -> argparse.Namespace:
+    """A node's flags (`role`: "prefill", "decode", or "both" for a colocated node, which runs
+    `pdserve prefill`) parsed by that command's own parser. Call it on flags check_role_args passed."""
+    _, make_parser, required, _ = _role_parsers()["--decode-args" if role == "decode" else "--prefill-args"]
+    return make_parser().parse_args([*required, *argv])
+
+
 def check_draft_model(speculative_config: str | None) -> str | None:
     """An error line if `speculative_config` (the JSON of --speculative-config, already valid)
     names a draft model that does not resolve (no such folder, not a model), else None: a decode

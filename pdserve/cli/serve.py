@@ -32,7 +32,7 @@ import urllib.request
 import uuid
 
 from pdserve.cli.main import add_engine_args, engine_argv, resolve_model_verbosely
-from pdserve.cli.preflight import check_draft_model, check_port_free, check_role_args
+from pdserve.cli.preflight import check_draft_model, check_port_free, check_role_args, parse_node_args
 from pdserve.cli.processes import free_port, stop_processes
 from pdserve.engine.loader import served_model_name
 
@@ -103,7 +103,8 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
     roles = [("both", args.num_nodes)] if args.colocated else [("prefill", args.num_prefill), ("decode", args.num_decode)]
     extras = {role: [node_args(args, role, i) for i in range(count)] for role, count in roles}
     # A node with --tensor-parallel-size N runs N ranks, each with --num-threads threads.
-    num_ranks = sum(tp_size([*common, *extra]) for per_role in extras.values() for extra in per_role)
+    num_ranks = sum(parse_node_args(role, [*common, *extra]).tensor_parallel_size
+                    for role, per_role in extras.items() for extra in per_role)
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_ranks)
     procs = [("router", py + ["pdserve.router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
                               "--instance-id", instance_id, "--log-level", args.log_level, "--model", args.model,
@@ -125,17 +126,6 @@ def node_args(args: argparse.Namespace, role: str, index: int) -> list[str]:
     for the nodes past the list)."""
     values = (args.decode_args if role == "decode" else args.prefill_args) or [""]
     return shlex.split(values[min(index, len(values) - 1)])
-
-
-def tp_size(argv: list[str]) -> int:
-    """The --tensor-parallel-size (or -tp) a node's flags give it, the last one winning; 1 without."""
-    size = 1
-    for i, token in enumerate(argv):
-        name, eq, value = token.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
-            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "1")
-            size = int(value) if value.isdigit() and int(value) > 0 else 1
-    return size
 
 
 def is_our_router_healthy(url: str, instance_id: str) -> bool:
