@@ -97,8 +97,9 @@ class BlockManager:
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Give keys to the request's blocks that became full and computed in the last step."""
-        if not self.enable_prefix_caching:
-            return
+        keys = self.keys.get(request_id)
+        if not self.enable_prefix_caching or (keys is not None and len(keys) >= num_computed_tokens // self.block_size):
+            return  # no block became full (every decode step but one a block)
         table, keys = self.tables[request_id], self.keys.setdefault(request_id, [])
         parent = keys[-1] if keys else 0
         bs = self.block_size
@@ -127,6 +128,13 @@ class BlockManager:
         num_needed += sum(1 for b in computed_block_ids if self.ref_counts[b] == 0)
         headroom = self.watermark_blocks if reserve else 0
         return num_needed <= self.num_free_blocks - headroom
+
+    def holds(self, request_id: str, num_tokens: int) -> bool:
+        """The request's table already covers `num_tokens` tokens and shares no block with another
+        table: nothing to allocate or copy (most decode steps; `can_allocate` would say yes, and
+        `allocate` and `copy_on_write` would do nothing)."""
+        table = self.tables.get(request_id)
+        return table is not None and len(table) * self.block_size >= num_tokens and request_id not in self.forked
 
     def allocate(self, request_id: str, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> list[int]:
         """Grow the request's table to hold `num_tokens` tokens; returns its whole table."""

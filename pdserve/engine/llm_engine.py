@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import torch
 
@@ -21,6 +22,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.step_timings import StepTimings
 
 logger = logging.getLogger(__name__)
 _GIB = 1 << 30
@@ -77,6 +79,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.runner = ModelRunner(config, self.model_config, self._model_len_limit())
+        self.timings: StepTimings = self.runner.timings  # the last step's phases (engine/step_timings.py)
         try:
             num_blocks, num_host_blocks = self._start_pools(kv_allocator)
         except BaseException:
@@ -200,34 +203,49 @@ class LLMEngine:
     # ---- one iteration ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs for requests that finished in it."""
-        finished = []
-        for request in self.step_requests():
-            # Finished ones too: their last tokens' text (and a stop string in it) counts.
-            if self._hit_stop_string(request):
-                if request.is_finished:  # by length or a stop token, blocks already released
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            if request.is_finished:
-                finished.append(request)
-        return [self._output(r) for r in finished]
+        stepped = self.step_requests()
+        start = perf_counter()
+        if self.detokenizers:  # stop strings need text; without a tokenizer there is none
+            for request in stepped:
+                # Finished ones too: their last tokens' text (and a stop string in it) counts.
+                if self._hit_stop_string(request):
+                    if request.is_finished:  # by length or a stop token, blocks already released
+                        request.status = RequestStatus.FINISHED_STOPPED
+                    else:
+                        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        outputs = [self._output(r) for r in stepped if r.is_finished]
+        spent = perf_counter() - start
+        self.timings.output += spent
+        self.timings.total += spent
+        return outputs
 
     def step_requests(self) -> list[Request]:
         """Run one iteration; returns every request that got a new token in it (finished ones
-        included, their blocks already released). The nodes stream from this."""
+        included, their blocks already released). The nodes stream from this. `timings` says
+        where the time went."""
+        timings = self.timings
+        start = perf_counter()
         out = self.scheduler.schedule()
         if self.proposer is not None:
             self.proposer.propose(out)  # draft tokens into the lookahead slots the scheduler gave
-        sampled = self.runner.execute(out)
+        timings.schedule = perf_counter() - start
+        sampled = self.runner.execute(out)  # fills timings.prepare, .forward, .sample
+        executed = perf_counter()
         self.scheduler.postprocess(out, sampled)
-        stepped = []
-        for item in out.scheduled:
-            children = out.forked.get(item.request.request_id)
-            if children is not None:  # an n > 1 request forked into its choices: they stream from now on
-                self._fork_detokenizers(item.request.request_id, children)
-                stepped += children
-            elif item.request.request_id in sampled:
-                stepped.append(item.request)
+        if not out.forked:
+            stepped = [item.request for item in out.scheduled if item.request.request_id in sampled]
+        else:
+            stepped = []
+            for item in out.scheduled:
+                children = out.forked.get(item.request.request_id)
+                if children is not None:  # an n > 1 request forked into its choices: they stream from now on
+                    self._fork_detokenizers(item.request.request_id, children)
+                    stepped += children
+                elif item.request.request_id in sampled:
+                    stepped.append(item.request)
+        end = perf_counter()
+        timings.output = end - executed
+        timings.total = end - start
         return stepped
 
     def _fork_detokenizers(self, parent_id: str, children: list[Request]) -> None:

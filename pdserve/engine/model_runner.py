@@ -11,6 +11,10 @@ process is rank 0. It starts ranks 1..N-1 (`TPExecutor`), and each step it sends
 only rank 0 samples. `kv_shards` lists every rank's pool as the node process sees it (one shard
 covering every KV head without TP); `kv_buffer` stays rank 0's. A worker rank runs `run_step`.
 
+A step's host batch is built from a few flat columns (engine/host_batch.py) and block tables kept
+across steps (engine/input_batch.py), so its cost does not grow with the sequences; an all-greedy
+batch samples with one argmax. `timings` (engine/step_timings.py) records each step's phases.
+
 Decode-only steps can run through `DecodeGraphs` (engine/cuda_graphs.py): CUDA graphs on static,
 padded buffers. On CUDA a step's host tensors are staged in pinned memory and copied without
 blocking, so building a step costs no host-device sync; for greedy rows without logprobs,
@@ -21,23 +25,29 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import chain, repeat
+from time import perf_counter
 
 import torch
 
 from pdserve.engine.attention_metadata import AttentionMetadata, BatchChunk
 from pdserve.engine.config import EngineConfig, cpu_has_native_bf16
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.host_batch import build_host_batch, pad_tables
+from pdserve.engine.input_batch import PersistentBlockTables
 from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from pdserve.engine.parallel import state
 from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.engine.parallel.layers import pack_wide_cpu_linears
 from pdserve.engine.parallel.sharding import check_tp, num_kv_heads_per_rank
 from pdserve.engine.parallel.step_wire import HostBatch, Step
 from pdserve.engine.rejection_sampler import verify_drafts
 from pdserve.engine.sampler import Sampler, SamplingInput
-from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pdserve.engine.step_timings import StepTimings
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,8 @@ class ModelRunner:
         self.host_buffer: torch.Tensor | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.executor = None  # TPExecutor: rank 0 of a TP > 1 node
+        self.timings = StepTimings()  # execute() fills prepare, forward and sample; the engine the rest
+        self.block_tables = PersistentBlockTables(config.max_num_seqs)  # rows kept across steps
         check_tp(model_config, self.tp_size)
         if self.tp_size == 1 and state.tp_size() != 1:
             raise RuntimeError(f"this process already runs a tensor-parallel group of {state.tp_size()} ranks: "
@@ -181,6 +193,8 @@ class ModelRunner:
         model.load_weights(iter_safetensors(self.config.model_path))
         model.to(self.dtype)
         model.rotary.float()  # RoPE tables stay float32, as in transformers
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            pack_wide_cpu_linears(model)  # oneDNN copies of the wide layers (parallel/layers.py)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             num = use_fp32_gemms_for_bf16(model)
             logger.info("no native bf16 on this CPU: %d bf16 linear layers run as fp32 GEMMs on bf16 values", num)
@@ -192,19 +206,37 @@ class ModelRunner:
         """Run the step; returns request id → (sampled token, logprobs) for requests that sample,
         or, for a request that had draft tokens to verify, the list of such pairs it emits
         (the accepted drafts, then the target's own token: engine/rejection_sampler.py); an n > 1
-        request about to fork gets one pair per choice, under the choices' ids."""
+        request about to fork gets one pair per choice, under the choices' ids. Fills
+        `timings.prepare`, `.forward` and `.sample`."""
+        start = perf_counter()
         sampling = [s for s in out.scheduled if s.samples]
         step = Step(None if out.is_empty else self.prepare_host_batch(out), bool(sampling),
                     out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
         if self.executor is None:
-            logits = self.run_step(step)
+            logits = self._run_timed(step, start)
         else:
             with self.executor.step_guard():  # a dead worker or a failed collective: TPWorkerError
                 if not step.is_noop:
                     self.executor.send_step(step)
-                logits = self.run_step(step)
-        if logits is None:
-            return {}
+                logits = self._run_timed(step, start)
+        sample_start = perf_counter()
+        sampled = {} if logits is None else self._sample(logits, sampling)
+        self.timings.sample = perf_counter() - sample_start
+        return sampled
+
+    def _run_timed(self, step: Step, start: float) -> torch.Tensor | None:
+        inputs = self.load_step(step)
+        loaded = perf_counter()
+        self.timings.prepare = loaded - start
+        logits = None if inputs is None else self.forward(step, inputs)
+        self.timings.forward = perf_counter() - loaded
+        return logits
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> dict:
+        if all(s.request.is_plain_greedy and not s.spec_token_ids for s in sampling):
+            # The common serving batch: one argmax and one read-back, no per-row sampler inputs.
+            token_ids = logits.argmax(-1).tolist()  # bf16 -> fp32 is exact, so the argmax needs no cast
+            return dict(zip([s.request.request_id for s in sampling], zip(token_ids, repeat(None))))
         if any(s.spec_token_ids or s.request.forks for s in sampling):  # drafts to verify or choices to draw
             return verify_drafts(self.sampler, logits, sampling)
         rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
@@ -215,10 +247,17 @@ class ModelRunner:
     def run_step(self, step: Step) -> torch.Tensor | None:
         """What every rank does with a step: move blocks, run the forward, and compute the logits
         when `step.compute_logits` (full-vocab [S, vocab] float32 on every rank; rank 0 samples)."""
+        inputs = self.load_step(step)
+        return None if inputs is None else self.forward(step, inputs)
+
+    def load_step(self, step: Step) -> tuple | None:
+        """Move the step's blocks; its batch on the device (None: a step without a batch)."""
         self._swap(step)
-        if step.batch is None:
-            return None
-        input_ids, positions, meta, logits_indices = self.upload_batch(step.batch)
+        return None if step.batch is None else self.upload_batch(step.batch)
+
+    def forward(self, step: Step, inputs: tuple) -> torch.Tensor | None:
+        """The model over the uploaded batch; the logits when `step.compute_logits`."""
+        input_ids, positions, meta, logits_indices = inputs
         graphs = self.decode_graphs
         if graphs is not None and graphs.can_run(input_ids, meta):
             hidden = graphs.run(input_ids, positions, meta)
@@ -235,16 +274,24 @@ class ModelRunner:
     def prepare_host_batch(self, out: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request
         with draft tokens feeds them after its last token (query length 1 + k) and wants the
-        logits of all 1 + k positions."""
-        chunks = []
-        for s in out.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            token_ids = s.request.all_token_ids[start:end]
-            if s.spec_token_ids:
-                token_ids = token_ids + s.spec_token_ids
-            num_logits = 1 + len(s.spec_token_ids) if s.samples else 0
-            chunks.append(BatchChunk(token_ids, start, s.block_ids, num_logits))
-        return self.host_chunks(chunks)
+        logits of all 1 + k positions. A decode step (one token per request, no drafts) gathers
+        one column per field and no per-request lists."""
+        scheduled = out.scheduled
+        starts = [s.num_computed_tokens for s in scheduled]
+        tables = self.block_tables.gather(scheduled)
+        if out.num_batched_tokens == len(scheduled) and not any(s.spec_token_ids for s in scheduled):
+            token_ids = [s.request.all_token_ids[s.num_computed_tokens] for s in scheduled]
+            samples = [s.samples for s in scheduled]
+            return build_host_batch(token_ids, starts, tables, self.block_size,
+                                    num_logits=None if all(samples) else samples)
+        token_ids, query_lens, num_logits = [], [], []
+        for s in scheduled:
+            start, spec = s.num_computed_tokens, s.spec_token_ids
+            token_ids += s.request.all_token_ids[start : start + s.num_new_tokens]
+            token_ids += spec
+            query_lens.append(s.num_new_tokens + len(spec))
+            num_logits.append(1 + len(spec) if s.samples else 0)
+        return build_host_batch(token_ids, starts, tables, self.block_size, query_lens, num_logits)
 
     def prepare_chunks(self, chunks: list[BatchChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                 torch.Tensor]:
@@ -253,28 +300,10 @@ class ModelRunner:
 
     def host_chunks(self, chunks: list[BatchChunk]) -> HostBatch:
         """One flattened batch's tensors, on the host."""
-        token_ids: list[int] = []
-        query_lens, seq_lens, starts, logits_indices = [], [], [], []
-        for c in chunks:
-            token_ids.extend(c.token_ids)
-            starts.append(c.start)
-            query_lens.append(len(c.token_ids))
-            seq_lens.append(c.start + len(c.token_ids))
-            logits_indices.extend(range(len(token_ids) - c.num_logits, len(token_ids)))
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = [c.block_ids + [-1] * (max_blocks - len(c.block_ids)) for c in chunks]
-        qlens = torch.tensor(query_lens, dtype=torch.int32)
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(qlens, 0, out=qsl[1:])
-        owner = torch.repeat_interleave(torch.arange(len(query_lens)), qlens.long())  # [T] request of each token
-        positions = torch.arange(len(token_ids), dtype=torch.int64) - qsl[:-1].long()[owner] + torch.tensor(starts)[owner]
-        block_tables = torch.tensor(tables, dtype=torch.int32)
-        slots = block_tables[owner, positions // self.block_size].long() * self.block_size + positions % self.block_size
-        return HostBatch(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions, query_start_loc=qsl,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
-            slot_mapping=slots.to(torch.int32), logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        return build_host_batch(
+            list(chain.from_iterable(c.token_ids for c in chunks)), [c.start for c in chunks],
+            pad_tables([c.block_ids for c in chunks]), self.block_size, [len(c.token_ids) for c in chunks],
+            [c.num_logits for c in chunks],
         )
 
     def upload_batch(self, b: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -101,6 +101,9 @@ class Request:
         k = self.num_prior_output_tokens  # split once: sampling_view runs every step
         self._sampling_prompt = self.prompt_token_ids[:-k] if k else self.prompt_token_ids
         self._prior_output = self.prompt_token_ids[-k:] if k else []
+        p = self.params  # read once here: the sampler's fast path asks every step
+        # Its next token is the plain argmax: no penalties, logprobs or choices to draw.
+        self.is_plain_greedy = p.n == 1 and p.greedy and not p.needs_penalties and p.logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

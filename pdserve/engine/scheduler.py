@@ -243,29 +243,38 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
+        bm, running, drafting = self.block_manager, self.running, self.config.num_lookahead_tokens > 0
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:  # per request of the batch: kept lean
+            request = running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            lookahead = self._lookahead(request, num_new, budget) if self.config.num_lookahead_tokens else 0
+            lookahead = self._lookahead(request, num_new, budget) if drafting else 0
             target = request.num_computed_tokens + num_new + lookahead
-            while not bm.can_allocate(request.request_id, target, write_from=request.num_computed_tokens):
-                # The victim may have been scheduled earlier in this step: un-schedule it.
-                victim = max(self.running, key=_order)
-                if self.running.index(victim) < i:
-                    budget += self._unschedule(out, victim)
-                    i -= 1
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                bm.allocate(request.request_id, target)
-                out.blocks_to_copy.extend(bm.copy_on_write(request.request_id, request.num_computed_tokens, target))
-                self._add_scheduled(out, request, num_new, lookahead)
-                budget -= num_new + lookahead
-                i += 1
+            if not bm.holds(request.request_id, target):  # most decode steps need no new or copied block
+                budget, i, preempted = self._grow(out, request, target, budget, i)
+                if preempted:
+                    continue
+            self._add_scheduled(out, request, num_new, lookahead)
+            budget -= num_new + lookahead
+            i += 1
         return budget
+
+    def _grow(self, out: SchedulerOutput, request: Request, target: int, budget: int, i: int) -> tuple[int, int, bool]:
+        """Give running[i] blocks (and copy-on-writes) for `target` tokens, preempting the
+        lowest-priority running requests until they fit. Returns (budget, i, whether `request`
+        itself was preempted): a victim scheduled earlier in this step is un-scheduled."""
+        bm = self.block_manager
+        while not bm.can_allocate(request.request_id, target, write_from=request.num_computed_tokens):
+            victim = max(self.running, key=_order)
+            if self.running.index(victim) < i:
+                budget += self._unschedule(out, victim)
+                i -= 1
+            self._preempt(victim, out)
+            if victim is request:
+                return budget, i, True
+        bm.allocate(request.request_id, target)
+        out.blocks_to_copy.extend(bm.copy_on_write(request.request_id, request.num_computed_tokens, target))
+        return budget, i, False
 
     def _lookahead(self, request: Request, num_new: int, budget: int) -> int:
         """Draft slots for a decode step: k, less what max_tokens, max_model_len or the token
@@ -338,16 +347,11 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, num_lookahead: int = 0) -> None:
         start = request.num_computed_tokens
-        out.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                num_computed_tokens=start,
-                num_new_tokens=num_new,
-                block_ids=self.block_manager.block_ids(request.request_id),
-                samples=start + num_new == request.num_tokens,
-                num_lookahead_tokens=num_lookahead,
-            )
-        )
+        # request, num_computed_tokens, num_new_tokens, block_ids, samples, num_lookahead_tokens
+        out.scheduled.append(ScheduledRequest(
+            request, start, num_new, self.block_manager.block_ids(request.request_id),
+            start + num_new == request.num_tokens, num_lookahead,
+        ))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -376,16 +380,16 @@ class Scheduler:
         """Advance every scheduled request; `sampled` maps request id → (token, logprobs) for
         those that sampled. Returns the requests that finished this step (blocks released)."""
         finished = []
-        for item in out.scheduled:
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        for item in out.scheduled:  # per request of the batch: kept lean
             request = item.request
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            self.num_prompt_tokens_computed += max(
-                0, min(request.num_computed_tokens, request.num_prompt_tokens) - item.num_computed_tokens)
-            self.block_manager.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens
-            )
+            start = item.num_computed_tokens
+            request.num_computed_tokens = computed = start + item.num_new_tokens
+            if start < request.num_prompt_tokens:  # a prompt chunk, not a decode
+                self.num_prompt_tokens_computed += min(computed, request.num_prompt_tokens) - start
+            cache_full_blocks(request.request_id, request.all_token_ids, computed)
             if not item.samples:
                 continue
             if request.forks:
@@ -467,6 +471,6 @@ class Scheduler:
         params, last = request.params, request.output_token_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

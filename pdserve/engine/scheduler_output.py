@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # KV already in the blocks; this step's tokens start at this position

@@ -2,20 +2,28 @@
 
 The checks here look only at shapes, dtypes, devices and strides, never at tensor values, so they
 cost no device sync. Value checks (lengths against block tables) live in the torch reference, which
-reads the metadata to the host anyway.
+reads the metadata to the host anyway; the cpu backend runs the same checks.
+
+Backends: "torch" (reference.py, the plain-torch oracle every kernel is tested against), "cpu"
+(cpu_attention.py: the reference's math, bit for bit, with its per-layer host work done once per
+step; the default on CPU devices) and "triton" (the default on CUDA). backend=None picks the device's default, unless the
+PDSERVE_ATTENTION_BACKEND environment variable names a backend: that one is used instead, e.g.
+PDSERVE_ATTENTION_BACKEND=torch to benchmark the engine on the reference without editing code.
 
 Adding a backend is one line in each table below, e.g. ``"triton": triton_attention.paged_attention``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
 
-from pdserve.kernels import reference
+from pdserve.kernels import cpu_attention, reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
+BACKEND_ENV = "PDSERVE_ATTENTION_BACKEND"
 
 try:  # Triton ships for Linux only; without it the torch backend is the only one.
     from pdserve.kernels import triton_attention, triton_cache
@@ -23,17 +31,29 @@ except ImportError:  # pragma: no cover
     triton_attention = triton_cache = None
 
 # "triton" on a CPU tensor runs Triton's interpreter when TRITON_INTERPRET=1 and raises otherwise.
-_STORE_KV: dict[str, Callable[..., None]] = {"torch": reference.store_kv}
-_PAGED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {"torch": reference.paged_attention}
+_STORE_KV: dict[str, Callable[..., None]] = {"torch": reference.store_kv, "cpu": reference.store_kv}
+_PAGED_ATTENTION: dict[str, Callable[..., torch.Tensor]] = {
+    "torch": reference.paged_attention,
+    "cpu": cpu_attention.paged_attention,
+}
 if triton_attention is not None:
     _STORE_KV["triton"] = triton_cache.store_kv
     _PAGED_ATTENTION["triton"] = triton_attention.paged_attention
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """None means Triton on CUDA (when Triton is installed) and torch elsewhere."""
+    """None means $PDSERVE_ATTENTION_BACKEND if set, else Triton on CUDA (when Triton is
+    installed), "cpu" on the CPU and torch elsewhere."""
     if backend is None:
-        return "triton" if device.type == "cuda" and "triton" in _PAGED_ATTENTION else "torch"
+        backend = os.environ.get(BACKEND_ENV) or None
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(
+                f"unknown kernel backend {backend!r} in ${BACKEND_ENV}; expected one of {BACKENDS}"
+            )
+    if backend is None:
+        if device.type == "cuda":
+            return "triton" if "triton" in _PAGED_ATTENTION else "torch"
+        return "cpu" if device.type == "cpu" else "torch"
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS} or None")
     if backend not in _PAGED_ATTENTION:

@@ -1,7 +1,11 @@
 """Plain-torch KV-cache write and paged attention.
 
-This is the reference every other kernel is tested against, and it is also the CPU engine's hot
-path (every layer, every step), so it avoids per-token Python loops.
+This is the reference every other kernel is tested against (backend "torch"). It is also the
+math of the CPU engine's hot path: cpu_attention.py (backend "cpu", the default on CPU devices)
+calls the functions below and only moves the per-layer host work (reading and checking the
+metadata, building decode masks) to once per step. So this module avoids per-token Python loops,
+and a change here changes the CPU engine (PDSERVE_ATTENTION_BACKEND=torch runs it on this module
+alone).
 
 Lengths of one request s, as the batch metadata defines them:
 

@@ -5,15 +5,18 @@ machine), while a native bf16 GEMM — oneDNN with AVX512-BF16, or a GPU's tenso
 multiplies bf16 inputs exactly and accumulates in fp32. This layer does the same math with an
 fp32 GEMM: the weights are bf16 values held in fp32 (products of bf16 values are exact in fp32),
 the activations are bf16 values widened to fp32, the sum accumulates in fp32, and the output is
-rounded back to bf16. Activations, norms, attention and the KV cache stay bf16; only the weights
-take twice the memory.
+rounded back to bf16. The residual stream, attention and the KV cache stay bf16; a norm's output
+and the MLP's activation go to their GEMM in fp32 (`hand_fp32_to_gemms`); the weights take twice
+the memory. The fp32 GEMM is the CPU's fastest (engine/parallel/layers.py:
+`cpu_linear`): a wide layer also holds a oneDNN copy of its weight for calls of several rows.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pdserve.engine.parallel.layers import cpu_linear, onednn_packed_weight
 
 
 class Bf16ViaFp32Linear(nn.Module):
@@ -24,20 +27,26 @@ class Bf16ViaFp32Linear(nn.Module):
         bias = linear.bias
         self.register_buffer("bias32", None if bias is None else bias.detach().to(torch.bfloat16).float(),
                              persistent=False)
+        self.packed = onednn_packed_weight(self.weight32)
+        self.out_dtype = torch.bfloat16  # float32 where the output feeds only another fp32 GEMM
         # a tensor-parallel layer's collective (engine/parallel/layers.py), kept across the swap
         self.tp_combine = getattr(linear, "tp_combine", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
+        y = cpu_linear(x.float(), self.weight32, self.bias32, self.packed).to(self.out_dtype)
         return y if self.tp_combine is None else self.tp_combine(y)
 
 
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:
-    """Swap every nn.Linear of a bf16 CPU model for Bf16ViaFp32Linear; returns how many."""
+    """Swap every nn.Linear of a bf16 CPU model for Bf16ViaFp32Linear, then let the modules that
+    can (`hand_fp32_to_gemms`: engine/models/llama.py) pass fp32 between them; returns how many."""
     swapped = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, Bf16ViaFp32Linear(child))
                 swapped += 1
+    for module in model.modules():
+        if hasattr(module, "hand_fp32_to_gemms"):
+            module.hand_fp32_to_gemms()
     return swapped

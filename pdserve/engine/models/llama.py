@@ -37,10 +37,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fp32_out = False  # hand fp32 to the next GEMM (DecoderLayer.hand_fp32_to_gemms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.fp32_out:
+            return self.weight.float() * x32
         return self.weight * x32.to(x.dtype)
 
 
@@ -65,24 +68,40 @@ def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    """RoPE as transformers applies it, `x * cos + rotate_half(x) * sin`, with rotate_half(x) =
+    cat(-x2, x1) written as roll(x) = cat(x2, x1) times a sin table whose first half is negated:
+    the same products bit for bit (negation is exact), one op instead of two slices, a neg and a cat.
+    `at(positions, dtype)` looks the rows up once per forward; every layer applies them."""
+
     def __init__(self, config: ModelConfig, max_len: int) -> None:
         super().__init__()
         inv_freq, attention_scaling = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
+        half = config.head_dim // 2
+        sin = emb.sin() * attention_scaling
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryRows:
+        return RotaryRows(self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.at(positions, q.dtype)(positions, q, k)
+
+
+class RotaryRows:
+    """One forward's RoPE rows, cos and signed sin [T, 1, head_dim] in the activation dtype; called
+    like RotaryEmbedding (positions, q, k) so that Attention takes either."""
+
+    def __init__(self, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+        self.cos, self.sin_signed = cos, sin_signed
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        half = q.shape[-1] // 2
+        return (q * self.cos + q.roll(half, -1) * self.sin_signed,
+                k * self.cos + k.roll(half, -1) * self.sin_signed)
 
 
 class Attention(nn.Module):
@@ -150,6 +169,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache, rotary)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def hand_fp32_to_gemms(self) -> None:
+        """For a bf16 model whose GEMMs run in fp32 on bf16 values (models/cpu_bf16.py): the two
+        norms and the gate_up projection hand fp32 straight on to the next GEMM, which would widen
+        bf16 to fp32 anyway. The bf16 roundings in between go (results differ by rounding only),
+        and with them casts and bf16 elementwise ops, slow on CPUs without native bf16. The
+        residual stream, q/k/v, the KV cache and attention stay bf16."""
+        self.input_layernorm.fp32_out = self.post_attention_layernorm.fp32_out = True
+        self.mlp.gate_up_proj.out_dtype = torch.float32
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_len: int) -> None:
@@ -174,8 +202,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [num_blocks, block_size, kv_heads, head_dim] x2
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
+        rotary = self.rotary.at(positions, x.dtype)  # the RoPE rows, once for every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, meta, kv_cache, self.rotary)
+            x = layer(positions, x, meta, kv_cache, rotary)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

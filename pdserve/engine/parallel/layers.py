@@ -11,6 +11,9 @@ full checkpoint tensor (`load_shard`).
 At size 1 every layer is the plain nn.Linear / nn.Embedding (same parameters, same forward, no
 collective). The collective runs in `tp_combine`, a plain function attribute (None at size 1) so
 that a layer swap keeping it (engine/models/cpu_bf16.py) keeps the layer's semantics.
+
+On a CPU the wide layers (gate_up, the lm_head) also hold their weight reordered for oneDNN
+(`pack_wide_cpu_linears`, at load time); `cpu_linear` says when it is used and why.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ class ColumnParallelLinear(nn.Linear):
             self.offsets.append(self.offsets[-1] + end - start)
         super().__init__(in_features, self.offsets[-1], bias=bias)
         self.tp_combine = None  # the next layer takes the rank's rows as they are
+        self.packed = None  # oneDNN's copy of the weight (pack_wide_cpu_linears)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear(x, self.weight, self.bias, self.packed)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_rows = self.parts[part]
@@ -49,9 +56,10 @@ class RowParallelLinear(nn.Linear):
         self.in_range = in_range
         super().__init__(in_range[1] - in_range[0], out_features, bias=False)
         self.tp_combine = all_reduce if size > 1 else None
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = cpu_linear(x, self.weight, self.bias, self.packed)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
@@ -84,13 +92,56 @@ class ParallelLMHead(nn.Linear):
         self.vocab_start, self.vocab_end = vocab_range(rank, size, vocab_size)
         super().__init__(hidden_size, padded_vocab_size(size, vocab_size) // size, bias=False)
         self.tp_combine = functools.partial(_gather_vocab, vocab_size=vocab_size) if size > 1 else None
+        self.packed = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
-        y = F.linear(hidden, self.weight, self.bias)
+        y = cpu_linear(hidden, self.weight, self.bias, self.packed)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         _load_vocab_rows(self.weight, full, self.vocab_start, self.vocab_end, self.vocab_size)
+
+
+# ---- CPU GEMMs ------------------------------------------------------------------------------
+PACK_BATCH_HINT = 16  # the rows oneDNN tunes the reordered layout for; any number of rows runs on it
+# oneDNN's fixed cost per call (40-150 us on 2 threads) pays off only on big weights: a 1M-weight
+# GEMM takes about 0.3 ms at 16 rows; the tiny test models' layers stay on F.linear
+PACK_MIN_WEIGHTS = 1 << 20
+
+
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               packed: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b. With a oneDNN copy of W (`packed`) and more than one row, oneDNN computes it:
+    for a few rows MKL's GEMM (F.linear) re-packs a wide W on every call, which costs about as
+    much as the GEMM; oneDNN reads the copy reordered once (inductor's freezing path does the
+    same). One row stays on F.linear: MKL's GEMV streams W at the memory's pace, and oneDNN adds
+    a fixed cost a call. Both are fp32 GEMMs with fp32 sums; only the summation order differs."""
+    if packed is None or x.numel() <= x.shape[-1]:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's reordered copy of an fp32 CPU weight [out, in] when it pays (see cpu_linear): a
+    wide layer (out >= 2 x in: gate_up, the lm_head; at M = 2..64 oneDNN took 0.5-0.8x of
+    F.linear's time on them on an AVX2 EPYC, and tied on the square and narrow ones) of at least
+    PACK_MIN_WEIGHTS weights, else None."""
+    out_features, in_features = weight.shape
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or out_features < 2 * in_features
+            or weight.numel() < PACK_MIN_WEIGHTS or not torch.backends.mkldnn.is_available()):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+
+
+def pack_wide_cpu_linears(model: nn.Module) -> int:
+    """Give every wide fp32 CPU layer of `model` its oneDNN copy (load time, after the weights and
+    the dtype are final); returns how many. The layer keeps its weight for one-row calls."""
+    num = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.packed = onednn_packed_weight(module.weight)
+            num += module.packed is not None
+    return num
 
 
 def _gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

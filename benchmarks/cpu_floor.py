@@ -1,0 +1,244 @@
+"""How close the engine's CPU decode step is to this machine's floor (issue 13).
+
+    python -m benchmarks.cpu_floor --model smollm2 --dtype bfloat16 --batch-sizes 1,16,64 \
+        --context-len 256 --num-threads 2 --repeats 7 --json /tmp/cpu_floor.json
+
+Everything is measured here, in one process, as medians of --repeats:
+
+  GEMM floor  every linear of one decode step at its real shape (per layer the fused qkv, o,
+              gate_up and down, times the layers, then the lm_head on the B sampled rows), run as
+              a sequence of calls on preallocated inputs, through each GEMM path the CPU has:
+                torch-<dtype>       F.linear in the model's dtype
+                torch-float32       F.linear in fp32 (what a bf16 model runs without native bf16:
+                                    engine/models/cpu_bf16.py)
+                onednn-packed-*     oneDNN with weights reordered once (inductor's freezing path)
+                mkl-packed-float32  MKL's packed sgemm; its pack is valid for one batch size only
+              The paths take turns within every repeat, so drift hits them alike; the fastest
+              median is the floor.
+  bandwidth   read bandwidth: a sum over a tensor far larger than the last-level cache.
+  streaming   the bytes of weights one decode step reads (as the engine holds them) / bandwidth:
+              the floor of a batch-1 step, which is memory-bound.
+  step        the engine's decode step: B requests of --context-len random tokens decoding
+              together (max_num_seqs=B, ignore_eos), the median of --repeats engine.step() calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+MAX_BATCHED_TOKENS = 2048  # the engine's default
+
+
+def cpu_info() -> dict:
+    from pdserve.engine.config import cpu_has_native_bf16
+
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "?")
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    return {"model_name": model, "flags": {f: f in flags for f in CPU_FLAGS},
+            "native_bf16": cpu_has_native_bf16(), "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def linear_shapes(config) -> list[tuple[str, int, int, int]]:
+    """(name, in_features, out_features, calls per decode step) of every linear, in call order."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    n = config.num_layers
+    return [("qkv", h, q + 2 * kv, n), ("o", q, h, n), ("gate_up", h, 2 * config.intermediate_size, n),
+            ("down", config.intermediate_size, h, n), ("lm_head", h, config.vocab_size, 1)]
+
+
+# ---- GEMM paths: each turns an fp32 weight [out, in] into a call x -> y, and names the input dtype
+def _torch_path(dtype: torch.dtype):
+    def prepare(w: torch.Tensor, batch: int) -> Callable:
+        w = w.to(dtype)
+        return lambda x: F.linear(x, w)
+    return prepare, dtype
+
+
+def _onednn_path(dtype: torch.dtype):
+    def prepare(w: torch.Tensor, batch: int) -> Callable:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), batch)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return prepare, dtype
+
+
+def _mkl_packed_path():
+    def prepare(w: torch.Tensor, batch: int) -> Callable:
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, batch)
+        return lambda x: torch.ops.mkl._mkl_linear(x, packed, w, None, batch)
+    return prepare, torch.float32
+
+
+def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
+    paths = {f"torch-{_name(dtype)}": _torch_path(dtype)}
+    if dtype != torch.float32:
+        paths["torch-float32"] = _torch_path(torch.float32)
+    if torch.backends.mkldnn.is_available():
+        paths["onednn-packed-float32"] = _onednn_path(torch.float32)
+        if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            paths["onednn-packed-bfloat16"] = _onednn_path(torch.bfloat16)
+        if torch.backends.mkl.is_available():
+            paths["mkl-packed-float32"] = _mkl_packed_path()
+    return paths
+
+
+def gemm_floor(config, dtype: torch.dtype, batch: int, repeats: int) -> dict:
+    """Milliseconds of one decode step's linears per path (median), and the fastest path."""
+    g = torch.Generator().manual_seed(0)
+    shapes = linear_shapes(config)
+    steps = {}
+    for name, (prepare, in_dtype) in gemm_paths(dtype).items():
+        calls = []
+        for _, k, n, count in shapes:
+            x = torch.randn(batch, k, generator=g).to(in_dtype)
+            for _ in range(count):  # distinct weights per layer: the step streams them all
+                calls.append((prepare(torch.randn(n, k, generator=g) * k**-0.5, batch), x))
+        steps[name] = calls
+    times = {name: [] for name in steps}
+    with torch.inference_mode():
+        for i in range(repeats + 1):  # the first round warms every path up
+            for name, calls in steps.items():
+                start = time.perf_counter()
+                for call, x in calls:
+                    call(x)
+                if i:
+                    times[name].append(time.perf_counter() - start)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    best = min(ms, key=ms.get)
+    return {"gemm_ms": ms, "gemm_floor_ms": ms[best], "gemm_floor_path": best}
+
+
+def read_bandwidth_gbs(repeats: int, size_mb: int) -> float:
+    """GB/s of a sum over `size_mb` of fp32 (far above the L3, so it streams from DRAM)."""
+    x = torch.ones(size_mb * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def engine_weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads, as the engine holds them (bf16, an fp32 copy, a packed
+    copy): every module's parameters and buffers but the embedding (one row a token) and the RoPE
+    tables (a few rows)."""
+    skip = {id(model.embed_tokens), id(model.rotary)}
+    return sum(t.numel() * t.element_size() for module in model.modules() if id(module) not in skip
+               for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)] if t is not None)
+
+
+def engine_step_ms(args, batch: int) -> tuple[float, int]:
+    """Median ms of a decode step with `batch` sequences of context_len tokens, and the weight bytes."""
+    from pdserve.engine import LLM, SamplingParams
+
+    # chunked prefill takes several steps, and a request that has its first token decodes in the rest
+    prefill_steps = -(-batch * args.context_len // MAX_BATCHED_TOKENS) + 1
+    max_tokens = prefill_steps + args.warmup + args.repeats + 2
+    block_size = 16
+    blocks = batch * (-(-(args.context_len + max_tokens + 1) // block_size) + 1)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=batch,
+              num_kv_blocks=blocks, block_size=block_size, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+              skip_tokenizer_init=True,
+              max_model_len=args.context_len + max_tokens + 1)
+    try:
+        engine = llm.engine
+        g = torch.Generator().manual_seed(batch)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(torch.randint(engine.model_config.vocab_size, (args.context_len,), generator=g).tolist(),
+                               params)
+        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()  # prefill every prompt
+        times = []
+        for i in range(args.warmup + args.repeats):
+            start = time.perf_counter()
+            engine.step()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        assert len(engine.scheduler.running) == batch, "every request decodes in the timed steps"
+        return 1e3 * statistics.median(times), engine_weight_bytes(engine.runner.model)
+    finally:
+        llm.close()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def run(args) -> dict:
+    from pdserve.engine.dtypes import parse_dtype
+    from pdserve.engine.loader import resolve_model
+    from pdserve.engine.model_config import ModelConfig
+
+    torch.set_num_threads(args.num_threads)
+    config = ModelConfig.from_pretrained(resolve_model(args.model))
+    dtype = parse_dtype(args.dtype)
+    bandwidth = read_bandwidth_gbs(args.repeats, args.bandwidth_mb)
+    rows = []
+    for batch in args.batch_sizes:
+        row = {"batch": batch, **gemm_floor(config, dtype, batch, args.repeats)}
+        row["step_ms"], weight_bytes = engine_step_ms(args, batch)
+        row["step_over_gemm_floor"] = row["step_ms"] / row["gemm_floor_ms"]
+        rows.append(row)
+    stream_ms = 1e3 * weight_bytes / (bandwidth * 1e9)
+    result = {"cpu": cpu_info(), "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
+              "context_len": args.context_len, "repeats": args.repeats, "read_bandwidth_gbs": bandwidth,
+              "weight_bytes_per_step": weight_bytes, "weight_stream_ms": stream_ms, "rows": rows}
+    one = next((r for r in rows if r["batch"] == 1), None)
+    result["batch1_step_over_stream"] = None if one is None else one["step_ms"] / stream_ms
+    return result
+
+
+def report(result: dict) -> None:
+    cpu = result["cpu"]
+    flags = " ".join(f"{f}={'yes' if v else 'no'}" for f, v in cpu["flags"].items())
+    print(f"CPU: {cpu['model_name']}  {flags}  native bf16 (cpu_has_native_bf16): {cpu['native_bf16']}  "
+          f"torch {cpu['torch']} ({cpu['torch_cpu_capability']})")
+    print(f"model {result['model']} {result['dtype']}, {result['num_threads']} threads, context {result['context_len']}, "
+          f"medians of {result['repeats']}")
+    print(f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s; weights read per step "
+          f"{result['weight_bytes_per_step'] / 2**20:.0f} MiB -> streaming floor {result['weight_stream_ms']:.1f} ms")
+    paths = list(result["rows"][0]["gemm_ms"])
+    print(f"{'batch':>5} " + " ".join(f"{p:>22}" for p in paths) + f" {'floor path':>22} {'step ms':>8} {'step/floor':>10}")
+    for r in result["rows"]:
+        print(f"{r['batch']:>5} " + " ".join(f"{r['gemm_ms'][p]:>22.2f}" for p in paths)
+              + f" {r['gemm_floor_path']:>22} {r['step_ms']:>8.2f} {r['step_over_gemm_floor']:>10.2f}")
+    if result["batch1_step_over_stream"] is not None:
+        print(f"batch 1: step / weight streaming = {result['batch1_step_over_stream']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="'smollm2' or a local HF folder")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch-sizes", default="1,16,64", type=lambda s: [int(b) for b in s.split(",")])
+    p.add_argument("--context-len", type=int, default=256)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2, help="engine steps before the timed ones")
+    p.add_argument("--bandwidth-mb", type=int, default=1024, help="size of the tensor the bandwidth sum reads")
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

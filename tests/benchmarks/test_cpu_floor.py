@@ -1,0 +1,46 @@
+"""benchmarks/cpu_floor.py runs end to end on a tiny model and reports every figure it promises."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import cpu_floor
+from tests.conftest import TINY_SHAPE, save_tiny_model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys, dtype):
+    save_tiny_model(tmp_path / "m", "llama")
+    out = tmp_path / "floor.json"
+    assert cpu_floor.main(["--model", str(tmp_path / "m"), "--dtype", dtype, "--batch-sizes", "1,2",
+                           "--context-len", "16", "--num-threads", "1", "--repeats", "2", "--warmup", "1",
+                           "--bandwidth-mb", "64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["cpu"]["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert isinstance(result["cpu"]["native_bf16"], bool)
+    assert result["read_bandwidth_gbs"] > 0 and result["weight_stream_ms"] > 0
+    # the tiny model's linears (2 layers and an untied lm_head), at least 4 bytes a weight in fp32
+    h, i, v, layers = (TINY_SHAPE[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers"))
+    linear_weights = layers * (h * 2 * h + h * h + 3 * h * i) + v * h
+    assert result["weight_bytes_per_step"] >= 2 * linear_weights
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert f"torch-{dtype}" in row["gemm_ms"] and all(ms > 0 for ms in row["gemm_ms"].values())
+        assert row["gemm_floor_ms"] == min(row["gemm_ms"].values())
+        assert row["gemm_ms"][row["gemm_floor_path"]] == row["gemm_floor_ms"]
+        assert row["step_ms"] > 0 and row["step_over_gemm_floor"] == pytest.approx(row["step_ms"] / row["gemm_floor_ms"])
+    assert result["batch1_step_over_stream"] == pytest.approx(result["rows"][0]["step_ms"] / result["weight_stream_ms"])
+    printed = capsys.readouterr().out
+    assert "avx512_bf16=" in printed and "floor path" in printed and "step / weight streaming" in printed
+
+
+def test_linear_shapes_cover_the_fused_projections_and_the_lm_head():
+    from pdserve.engine.model_config import ModelConfig
+
+    config = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192)
+    assert cpu_floor.linear_shapes(config) == [("qkv", 576, 960, 30), ("o", 576, 576, 30), ("gate_up", 576, 3072, 30),
+                                               ("down", 1536, 576, 30), ("lm_head", 576, 49152, 1)]

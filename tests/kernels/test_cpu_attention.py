@@ -1,0 +1,164 @@
+"""The "cpu" backend against the torch reference (bit for bit: it runs the reference's math) and
+the float64 naive attention (float32 1e-5, bfloat16 2e-2, the reference's own bounds).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.kernels import cpu_attention, paged_attention, reference, resolve_backend
+from pdserve.kernels.dispatch import BACKEND_ENV
+from tests.kernels.test_reference import PagedBatch, make_batch, naive_attention
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def assert_cpu_matches(batch: PagedBatch, **kwargs) -> torch.Tensor:
+    """cpu backend == reference exactly, and == naive within the dtype's tolerance."""
+    tol = TOL[batch.q.dtype]
+    got = paged_attention(*batch.args(), backend="cpu", **kwargs)
+    want = paged_attention(*batch.args(), backend="torch", **kwargs)
+    assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), naive_attention(batch), atol=tol, rtol=tol)
+    return got
+
+
+def random_lengths(rng: random.Random, num_requests: int) -> tuple[list[int], list[int]]:
+    """A mix of every kind of request the engine schedules, in random order."""
+    q_lens, seq_lens = [], []
+    for _ in range(num_requests):
+        kind = rng.choice(["decode", "decode", "short", "prefill", "chunked", "empty"])
+        q_len = {"decode": 1, "short": rng.randrange(2, 34), "empty": 0}.get(kind, rng.randrange(34, 70))
+        context = 0 if kind == "prefill" else rng.randrange(1 if kind == "chunked" else 0, 120)
+        q_lens.append(q_len)
+        seq_lens.append(context + q_len)
+    return q_lens, seq_lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_batches_match_the_reference(dtype, seed):
+    rng = random.Random(seed)
+    q_lens, seq_lens = random_lengths(rng, rng.randrange(1, 12))
+    num_heads, num_kv_heads = rng.choice([(4, 4), (6, 2), (9, 3), (8, 1)])
+    batch = make_batch(
+        q_lens,
+        seq_lens,
+        block_size=rng.choice([8, 16]),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=rng.choice([16, 64]),
+        dtype=dtype,
+        seed=seed,
+    )
+    assert_cpu_matches(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_batch_split_into_chunks_with_rows_out_of_order(monkeypatch, dtype):
+    # A tiny budget gives one chunk per thread count of requests; the prefill in front of the
+    # decodes puts their rows off 0..n-1, so q and out go through index tensors.
+    monkeypatch.setattr(reference, "_DECODE_CHUNK_BYTES", 1)
+    seq_lens = [40, 5, 300, 17, 1, 33, 150, 16, 299, 64, 2]
+    q_lens = [40] + [1] * (len(seq_lens) - 1)
+    batch = make_batch(q_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
+    assert_cpu_matches(batch)
+    plan = cpu_attention._MEMO._entry[2]
+    assert len(plan.decode_chunks) > 1 and not isinstance(plan.decode_chunks[0].rows, slice)
+
+
+def test_verification_queries_next_to_decodes_and_a_prefill():
+    q_lens = [4, 4, 1, 4, 3, 40, 3, 5, 4, 1]
+    seq_lens = [20, 20, 9, 33, 7, 40, 64, 40, 5, 70]
+    assert_cpu_matches(make_batch(q_lens, seq_lens, block_size=8, num_heads=6, num_kv_heads=2))
+
+
+def test_chunked_prefill_with_long_context_and_prefix_hit():
+    assert_cpu_matches(make_batch([40, 48, 35], [100, 64, 35], block_size=16, num_heads=9, num_kv_heads=3))
+
+
+def test_out_is_honoured_and_padding_rows_are_zeroed():
+    batch = make_batch([2, 1, 40], [5, 9, 50])
+    num_tokens = batch.q.shape[0]
+    batch.q = torch.cat([batch.q, torch.randn(3, *batch.q.shape[1:])])  # padding rows at the end
+    out = torch.full(batch.q.shape, 7.0)
+    got = paged_attention(*batch.args(), out=out, backend="cpu")
+    assert got is out
+    assert torch.all(out[num_tokens:] == 0)
+    torch.testing.assert_close(
+        out[:num_tokens].double(), naive_attention(batch)[:num_tokens], atol=1e-5, rtol=1e-5
+    )
+
+
+def test_strided_q_and_strided_out():
+    batch = make_batch([1, 3, 1, 36], [12, 9, 30, 40], num_heads=4, num_kv_heads=2)
+    num_tokens, num_heads, head_dim = batch.q.shape
+    fused = torch.randn(num_tokens, (num_heads + 4) * head_dim)
+    fused[:, : num_heads * head_dim] = batch.q.flatten(1)
+    batch.q = fused[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    out = torch.empty(num_tokens, num_heads, head_dim * 2)[:, :, :head_dim]
+    assert not batch.q.is_contiguous() and not out.is_contiguous()
+    assert_cpu_matches(batch)
+    paged_attention(*batch.args(), out=out, backend="cpu")
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_changed_in_place_is_not_served_a_stale_plan():
+    # Every layer of a step passes the same metadata; the plan is reused only while its values match.
+    batch = make_batch([1, 1, 1], [30, 12, 45])
+    assert_cpu_matches(batch)
+    plan = cpu_attention._MEMO._entry[2]
+    assert_cpu_matches(batch)
+    assert cpu_attention._MEMO._entry[2] is plan
+    batch.seq_lens[1] = 5
+    batch.block_tables[2, :3] = batch.block_tables[2, :3].flip(0)
+    assert_cpu_matches(batch)
+    assert cpu_attention._MEMO._entry[2] is not plan
+
+
+def test_empty_batch():
+    batch = make_batch([], [])
+    assert paged_attention(*batch.args(), backend="cpu").shape == (0, 4, 16)
+
+
+BAD_INPUTS = [
+    {"query_start_loc": torch.tensor([0, 2, 3])},
+    {"q": torch.randn(3, 3, 16)},
+    {"query_start_loc": torch.tensor([0, 3], dtype=torch.int32)},
+    {"seq_lens": torch.tensor([1, 9], dtype=torch.int32)},
+    {"seq_lens": torch.tensor([5, 100], dtype=torch.int32)},
+    {"query_start_loc": torch.tensor([0, 2, 4], dtype=torch.int32)},
+    {"query_start_loc": torch.tensor([0, 2, 1], dtype=torch.int32)},
+    {"max_seq_len": 8},
+    {"max_query_len": 1},
+]
+
+
+@pytest.mark.parametrize("changes", BAD_INPUTS)
+def test_bad_inputs_get_the_reference_messages(changes):
+    batch = make_batch([2, 1], [5, 9])
+    fields = ["q", "k_cache", "v_cache", "query_start_loc", "seq_lens", "block_tables", "scale"]
+    args = tuple(changes.get(name, getattr(batch, name)) for name in fields)
+    maxima = {name: changes[name] for name in ("max_seq_len", "max_query_len") if name in changes}
+    messages = []
+    for backend in ("torch", "cpu"):
+        with pytest.raises(ValueError) as info:
+            paged_attention(*args, backend=backend, **maxima)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+def test_default_backend_per_device_and_environment_override(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert resolve_backend(None, torch.device("cpu")) == "cpu"
+    assert resolve_backend("torch", torch.device("cpu")) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert resolve_backend(None, torch.device("cpu")) == "torch"
+    assert resolve_backend("cpu", torch.device("cpu")) == "cpu"  # an explicit choice wins
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        resolve_backend(None, torch.device("cpu"))
