@@ -1,0 +1,70 @@
+"""The engine's decode step with the oneDNN weight copies (engine/parallel/layers.py) for no layer,
+the wide layers (as shipped) or every layer, in one process: the same engine and requests, the
+variants taking turns step by step (order rotating), medians. It measures what the copies buy.
+
+    python -m benchmarks.onednn_ab --dtype bfloat16 --batch 16 --num-threads 2 --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context-len", type=int, default=256)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per variant")
+    args = p.parse_args(argv)
+
+    from pdserve.engine import LLM, SamplingParams
+
+    max_len = args.context_len + 3 * args.steps + 40
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=args.batch,
+              skip_tokenizer_init=True, max_model_len=max_len, num_kv_blocks=args.batch * (max_len // 16 + 2))
+    engine = llm.engine
+    layers = [m for m in engine.runner.model.modules() if hasattr(m, "packed")]
+    fp32 = [getattr(m, "weight32", m.weight) for m in layers]
+    variants = {
+        "none": [None] * len(layers),
+        "wide": [m.packed for m in layers],
+        "all": [torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 16) if w.dtype == torch.float32
+                else None for w in fp32],
+    }
+    print({k: sum(x is not None for x in v) for k, v in variants.items()}, "of", len(layers), "layers hold a copy")
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=3 * args.steps + 20, temperature=0, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(torch.randint(engine.model_config.vocab_size, (args.context_len,), generator=g).tolist(),
+                           params)
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for step in range(args.steps + 1):  # the first round warms every variant up
+        for name in names[step % 3:] + names[:step % 3]:
+            for layer, packed in zip(layers, variants[name]):
+                layer.packed = packed
+            start = time.perf_counter()
+            engine.step()
+            if step:
+                times[name].append(time.perf_counter() - start)
+    llm.close()
+    base = statistics.median(times["none"])
+    for name in names:
+        med = statistics.median(times[name])
+        print(f"{args.dtype} batch {args.batch}, {args.num_threads} threads, copies for {name:>4}: "
+              f"median {1e3 * med:.1f} ms (min {1e3 * min(times[name]):.1f}), {med / base:.3f}x of none")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
