@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
               skip_tokenizer_init=True, max_model_len=max_len, num_kv_blocks=args.batch * (max_len // 16 + 2))
     engine = llm.engine
     layers = [m for m in engine.runner.model.modules() if hasattr(m, "packed")]
-    fp32 = [getattr(m, "weight32", m.weight) for m in layers]
+    fp32 = [m.weight32 if hasattr(m, "weight32") else m.weight for m in layers]
     variants = {
         "none": [None] * len(layers),
         "wide": [m.packed for m in layers],
