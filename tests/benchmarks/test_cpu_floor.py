@@ -44,3 +44,17 @@ def test_linear_shapes_cover_the_fused_projections_and_the_lm_head():
                          num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192)
     assert cpu_floor.linear_shapes(config) == [("qkv", 576, 960, 30), ("o", 576, 576, 30), ("gate_up", 576, 3072, 30),
                                                ("down", 1536, 576, 30), ("lm_head", 576, 49152, 1)]
+
+
+@pytest.mark.timeout(120)
+def test_onednn_ab_times_every_variant_on_a_tiny_model(tmp_path, capsys):
+    from benchmarks import onednn_ab
+
+    save_tiny_model(tmp_path / "m", "llama")
+    assert onednn_ab.main(["--model", str(tmp_path / "m"), "--dtype", "float32", "--batch", "2",
+                           "--context-len", "8", "--num-threads", "1", "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    # the tiny model's layers are below the size that pays for a copy: "wide" packs none, "all" every one
+    assert "'wide': 0" in printed and "'none': 0" in printed and "'all': 0" not in printed
+    for variant in ("none", "wide", " all"):
+        assert f"copies for {variant}: median" in printed
