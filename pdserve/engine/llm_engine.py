@@ -232,17 +232,14 @@ class LLMEngine:
         sampled = self.runner.execute(out)  # fills timings.prepare, .forward, .sample
         executed = perf_counter()
         self.scheduler.postprocess(out, sampled)
-        if not out.forked:
-            stepped = [item.request for item in out.scheduled if item.request.request_id in sampled]
-        else:
-            stepped = []
-            for item in out.scheduled:
-                children = out.forked.get(item.request.request_id)
-                if children is not None:  # an n > 1 request forked into its choices: they stream from now on
-                    self._fork_detokenizers(item.request.request_id, children)
-                    stepped += children
-                elif item.request.request_id in sampled:
-                    stepped.append(item.request)
+        stepped = []
+        for item in out.scheduled:
+            children = out.forked.get(item.request.request_id)
+            if children is not None:  # an n > 1 request forked into its choices: they stream from now on
+                self._fork_detokenizers(item.request.request_id, children)
+                stepped += children
+            elif item.request.request_id in sampled:
+                stepped.append(item.request)
         end = perf_counter()
         timings.output = end - executed
         timings.total = end - start

@@ -213,24 +213,16 @@ class ModelRunner:
         step = Step(None if out.is_empty else self.prepare_host_batch(out), bool(sampling),
                     out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
         if self.executor is None:
-            logits = self._run_timed(step, start)
+            logits = self.run_step(step, start)
         else:
             with self.executor.step_guard():  # a dead worker or a failed collective: TPWorkerError
                 if not step.is_noop:
                     self.executor.send_step(step)
-                logits = self._run_timed(step, start)
+                logits = self.run_step(step, start)
         sample_start = perf_counter()
         sampled = {} if logits is None else self._sample(logits, sampling)
         self.timings.sample = perf_counter() - sample_start
         return sampled
-
-    def _run_timed(self, step: Step, start: float) -> torch.Tensor | None:
-        inputs = self.load_step(step)
-        loaded = perf_counter()
-        self.timings.prepare = loaded - start
-        logits = None if inputs is None else self.forward(step, inputs)
-        self.timings.forward = perf_counter() - loaded
-        return logits
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> dict:
         if all(s.request.is_plain_greedy and not s.spec_token_ids for s in sampling):
@@ -244,11 +236,17 @@ class ModelRunner:
         return {s.request.request_id: (tok, lp) for s, tok, lp in zip(sampling, result.token_ids, result.logprobs)}
 
     @torch.inference_mode()
-    def run_step(self, step: Step) -> torch.Tensor | None:
+    def run_step(self, step: Step, start: float | None = None) -> torch.Tensor | None:
         """What every rank does with a step: move blocks, run the forward, and compute the logits
-        when `step.compute_logits` (full-vocab [S, vocab] float32 on every rank; rank 0 samples)."""
+        when `step.compute_logits` (full-vocab [S, vocab] float32 on every rank; rank 0 samples).
+        Records `timings.prepare` (since `start`, default now) and `timings.forward`."""
+        start = perf_counter() if start is None else start
         inputs = self.load_step(step)
-        return None if inputs is None else self.forward(step, inputs)
+        loaded = perf_counter()
+        self.timings.prepare = loaded - start
+        logits = None if inputs is None else self.forward(step, inputs)
+        self.timings.forward = perf_counter() - loaded
+        return logits
 
     def load_step(self, step: Step) -> tuple | None:
         """Move the step's blocks; its batch on the device (None: a step without a batch)."""

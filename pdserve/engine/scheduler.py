@@ -347,10 +347,10 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, num_lookahead: int = 0) -> None:
         start = request.num_computed_tokens
-        # request, num_computed_tokens, num_new_tokens, block_ids, samples, num_lookahead_tokens
         out.scheduled.append(ScheduledRequest(
-            request, start, num_new, self.block_manager.block_ids(request.request_id),
-            start + num_new == request.num_tokens, num_lookahead,
+            request=request, num_computed_tokens=start, num_new_tokens=num_new,
+            block_ids=self.block_manager.block_ids(request.request_id),
+            samples=start + num_new == request.num_tokens, num_lookahead_tokens=num_lookahead,
         ))
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -471,6 +471,6 @@ class Scheduler:
         params, last = request.params, request.output_token_ids[-1]
         if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= params.max_tokens or len(request.all_token_ids) >= self.config.max_model_len:
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
