@@ -79,7 +79,10 @@ class ControlSocket:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket | None = None  # the same socket, for non-blocking reads without a future
-        self.backlog: collections.deque[tuple[list[zmq.Frame], float]] = collections.deque()  # (frames, read at)
+        # (frames, read at, arrived after): a message read off the socket arrived after the last time
+        # the socket was found empty (`_caught_up_at`); `known_until` is built on that
+        self.backlog: collections.deque[tuple[list[zmq.Frame], float, float]] = collections.deque()
+        self._caught_up_at = time.monotonic()
         # (seconds, tokens) of each TokenBatch decoded: the router's "decode" stage (metrics.py)
         self.on_token_batch = on_token_batch or (lambda seconds, num_tokens: None)
 
@@ -139,11 +142,12 @@ class ControlSocket:
         backlog = self.backlog
         while True:
             if not backlog:
-                backlog.append((await self._sock.recv_multipart(copy=False), time.monotonic()))
+                self._caught_up_at = since = time.monotonic()
+                backlog.append((await self._sock.recv_multipart(copy=False), time.monotonic(), since))
             self._read_ready()
             start = time.perf_counter()
             for _ in range(yield_every):
-                parts, _ = backlog.popleft()
+                parts, _, _ = backlog.popleft()
                 await self._handle(parts, handle)
                 if not backlog or time.perf_counter() - start > turn_budget_s:
                     break
@@ -152,17 +156,27 @@ class ControlSocket:
     def _read_ready(self) -> None:
         """Move every message the socket holds now into the backlog (up to MAX_BACKLOG)."""
         sock, backlog = self._shadow, self.backlog
-        now = time.monotonic()
+        now, since = time.monotonic(), self._caught_up_at
         try:
             while len(backlog) < MAX_BACKLOG:
-                backlog.append((sock.recv_multipart(zmq.NOBLOCK, copy=False), now))
+                backlog.append((sock.recv_multipart(zmq.NOBLOCK, copy=False), now, since))
         except zmq.Again:
-            pass
+            self._caught_up_at = now
 
     def backlog_age_s(self) -> float:
         """How long the oldest message not yet handled has waited since it was read (0: none)."""
         backlog = self.backlog
         return time.monotonic() - backlog[0][1] if backlog else 0.0
+
+    def known_until(self) -> float:
+        """The time up to which every message the nodes sent has been handled: what the router can
+        tell about a node's silence ends there. Behind by the backlog, and by a stall of the event
+        loop (messages waiting in the socket count from the last time it was found empty)."""
+        if self.backlog:
+            return self.backlog[0][2]
+        if self._shadow is not None and self._shadow.get(zmq.EVENTS) & zmq.POLLIN:
+            return self._caught_up_at
+        return time.monotonic()
 
     async def _handle(self, parts: list[zmq.Frame], handle: MessageHandler) -> None:
         frames = [part.bytes for part in parts]

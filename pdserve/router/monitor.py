@@ -1,12 +1,15 @@
 """The router's periodic checks, every min(1 s, heartbeat_timeout_s / 4):
 
     heartbeat expiry   a node silent for `heartbeat_timeout_s` is dropped and its requests are
-                       re-dispatched (redispatch.py)
+                       re-dispatched (redispatch.py); silent as far as the router can tell: up to
+                       what it has handled (a heartbeat may wait behind a backlog, or in the socket
+                       through a stall of the event loop), so a router that falls behind does not
+                       drop healthy nodes
     parked requests    re-dispatched once a node is ready, failed past `retry_wait_s` (redispatch.py)
     deadlines          a request past its deadline (`request_timeout_s`) fails with a 504 and is
                        aborted on its nodes
     lost requests      a request that no node has listed in its heartbeats for `lost_after_s` (a
-                       message lost with a dying node) is re-dispatched
+                       message lost with a dying node) is re-dispatched; silent up to the same point
 
 `Monitor` is one part of `Router` (router.py).
 """
@@ -17,6 +20,7 @@ import asyncio
 import logging
 import time
 
+from pdserve.router.control import ControlSocket
 from pdserve.router.registry import Registry
 from pdserve.router.request_state import RouterError, RouterRequest
 
@@ -28,6 +32,7 @@ class Monitor:
     `_fail` and `_redispatch` it calls."""
 
     registry: Registry
+    control: ControlSocket
     requests: dict[str, RouterRequest]
     parked: dict[str, tuple[RouterRequest, float, str]]
     lost_after_s: float
@@ -48,18 +53,21 @@ class Monitor:
         await self._check_requests()
 
     async def _expire_nodes(self) -> None:
-        for node in self.registry.expire():
+        # Silence is judged up to what the router has handled (ControlSocket.known_until): judging
+        # it at `now` blamed the nodes for the router's own lag (on a loaded host a 2 s backlog
+        # dropped every node with a 1.5 s timeout).
+        for node in self.registry.expire(now=self.control.known_until()):
             logger.warning("node %s missed heartbeats for %.1f s: dropped", node.node_id,
                            self.registry.heartbeat_timeout_s)
             await self._node_lost(node, f"node {node.node_id} stopped responding")
 
     async def _check_requests(self) -> None:
         """Fail the requests past their deadline; re-dispatch those no node lists any more."""
-        now = time.monotonic()
+        now, known_until = time.monotonic(), self.control.known_until()
         for req in list(self.requests.values()):
             if req.status.is_done:
                 continue
             if req.deadline is not None and now > req.deadline:
                 await self._fail(req, RouterError("the request timed out", 504, "TimeoutError"))
-            elif now - req.last_listed > self.lost_after_s:
+            elif known_until - req.last_listed > self.lost_after_s:
                 await self._redispatch(req, f"no node has listed {req.wire_id} for {self.lost_after_s:g} s")

@@ -49,11 +49,9 @@ from pdserve.router.openai_protocol import ParsedRequest, parse_chat, parse_comp
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S, Redispatch
 from pdserve.router.registry import DEFAULT_MAX_QUEUE, NodeInfo, NoNodeError, OverloadedError, Registry, Route
 from pdserve.router.request_state import Delta, RouterError, RouterRequest
-from pdserve.router.saturation import DEFAULT_MAX_LAG_S, Saturation
+from pdserve.router.saturation import DEFAULT_MAX_LAG_S, RetryAfter, Saturation
 
 logger = logging.getLogger(__name__)
-
-RETRY_AFTER_S = 1  # the Retry-After of a 429
 
 
 class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
@@ -84,6 +82,7 @@ class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
         self.metrics.watch(lambda: len(self.requests) + len(self.parked),
                            lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
         # max_lag_s: shed new requests (429) once the router itself lags this much (saturation.py)
+        self.retry_after = RetryAfter()  # the Retry-After of a 429 (saturation.py)
         self.saturation = Saturation(self.control.backlog_age_s, max_lag_s=max_lag_s,
                                      on_lag=self.metrics.loop_lag.observe)
         self.metrics.watch_saturation(self.saturation, self.control)
@@ -148,7 +147,7 @@ class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
         if shed is not None:
             self.metrics.observe_shed(shed)
             raise ProtocolError(f"the router is overloaded ({shed.replace('_', ' ')}); retry later", status=429,
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
+                                headers={"Retry-After": str(self.retry_after.rejected())})
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         try:
             route = self.registry.route(parsed.prompt_token_ids, parsed.sampling.max_tokens)
@@ -156,7 +155,8 @@ class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
             raise ProtocolError(f"no ready {e} node is registered", status=503) from None
         except OverloadedError as e:
             raise ProtocolError(f"every {e} node is at its queue limit; retry later", status=429,
-                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+                                headers={"Retry-After": str(self.retry_after.rejected())}) from None
+        self.retry_after.admitted()
         return deadline, route
 
     async def release(self, req: RouterRequest, reason: str = "client disconnected") -> None:

@@ -20,11 +20,18 @@ once per DECREASE_EVERY_S while it lasts (requests end, the load falls, the back
 the loop has been calm for CALM_S the limit rises by 1% per probe (at least one request) until it
 no longer binds. Requests already accepted are never shed: the point is that their streams keep
 flowing.
+
+The Retry-After of every 429 (this one's and the queue limit's, router.py) comes from `RetryAfter`:
+a fixed 1 s told a thousand waiting clients to come back at once, every second, and the router
+spent its core answering 429s (on one core, 87,000 of them slowed 1,000 requests ninefold). It
+books the crowd's retries in turn, at about twice the rate requests are admitted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import math
 import time
 from collections.abc import Callable
 
@@ -35,6 +42,8 @@ DECREASE_EVERY_S = 1.0  # the limit falls by 10% at most this often while the ov
 LAG_WINDOW_S = 1.0  # /metrics shows the worst lag of this window
 SUSTAINED = 3  # probes in a row past max_lag_s make an overload
 STALL_S = 0.5  # or one turn of the loop this long (no probe has run for it)
+RETRY_WINDOW_S = 5.0  # RetryAfter's rates are over this long
+MAX_RETRY_AFTER_S = 30
 
 
 class Saturation:
@@ -115,3 +124,39 @@ class Saturation:
         self.limit += max(1.0, 0.01 * self.limit)
         if self.limit > 1e6:
             self.limit = None
+
+
+class RetryAfter:
+    """The Retry-After of a 429, in whole seconds (1 to `max_s`).
+
+    Retries are booked like a queue: each rejected client is given the next free slot (the first
+    one now, so at least 1 s), slots 1 / (2 A) apart, where A is the rate new requests were admitted at over the last `window_s`.
+    The crowd's retries come back at about twice the rate the servers take requests (enough to
+    fill every slot that frees, without a storm of 429s) and in turn."""
+
+    def __init__(self, *, window_s: float = RETRY_WINDOW_S, max_s: int = MAX_RETRY_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self.max_s, self.clock = window_s, max_s, clock
+        self._admitted: collections.deque[float] = collections.deque()  # when, within window_s
+        self._next = -math.inf  # the latest retry slot given
+
+    def admitted(self) -> None:
+        """A new request was taken."""
+        now = self.clock()
+        self._admitted.append(now)
+        self._trim(now)
+
+    def rejected(self) -> int:
+        """A new request gets a 429: the Retry-After to tell it."""
+        now = self.clock()
+        self._trim(now)
+        admitted = self._admitted
+        span = min(max(now - admitted[0], 1.0), self.window_s) if admitted else self.window_s
+        admit_rate = max(len(admitted), 1) / span
+        slot = max(self._next, now)  # the first of a crowd gets the earliest: 1 s
+        self._next = min(slot + 1 / (2 * admit_rate), now + self.max_s)
+        return min(self.max_s, max(1, math.ceil(slot - now)))
+
+    def _trim(self, now: float) -> None:
+        while self._admitted and self._admitted[0] < now - self.window_s:
+            self._admitted.popleft()

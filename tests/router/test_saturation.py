@@ -7,11 +7,60 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pdserve.router.saturation import CALM_S, DECREASE_EVERY_S, PROBE_INTERVAL_S, SUSTAINED, Saturation
+import heapq
+
+from pdserve.router.saturation import CALM_S, DECREASE_EVERY_S, PROBE_INTERVAL_S, SUSTAINED, RetryAfter, Saturation
 from tests.router.conftest import run, serving, split_pair
 from tests.router.test_metrics import scrape, value
 
 LIMIT = 0.1
+
+
+def test_retry_after_is_one_second_without_a_crowd():
+    clock = [0.0]
+    ra = RetryAfter(clock=lambda: clock[0])
+    for _ in range(50):  # busy, admitting 10/s, an occasional 429
+        clock[0] += 0.1
+        ra.admitted()
+    assert ra.rejected() == 1
+    clock[0] += 1.0
+    ra.admitted()
+    assert ra.rejected() == 1
+
+
+def _storm(retry_after, clients: int = 1000, admit_per_s: int = 20, seconds: int = 60):
+    """`clients` all arrive at t=0 and retry after the Retry-After they are told (no jitter); the
+    servers take `admit_per_s` per second. Returns (429s per second until every client got in, the
+    longest Retry-After told, seconds until every client got in)."""
+    clock = [0.0]
+    ra = retry_after(lambda: clock[0])
+    queue = [(0.0, i) for i in range(clients)]  # (when it retries, client)
+    rejected, longest, slots, last_slot_second = 0, 0, 0, -1
+    while queue and clock[0] < seconds * 10:
+        when, client = heapq.heappop(queue)
+        clock[0] = when
+        second = int(when)
+        if second != last_slot_second:
+            slots, last_slot_second = admit_per_s, second
+        if slots:
+            slots -= 1
+            ra.admitted()
+        else:
+            told = ra.rejected()
+            rejected, longest = rejected + 1, max(longest, told)
+            heapq.heappush(queue, (when + told, client))
+    done = clock[0]
+    return rejected / done, longest, done
+
+
+def test_a_crowd_is_told_to_come_back_when_its_turn_can_come():
+    """1,000 clients at once, 20 admitted per second: a fixed 1 s brings ~500 429s a second; the
+    booked retries come at about twice the admission rate, and the crowd still gets in as fast
+    as the servers take it (50 s)."""
+    fixed = _storm(lambda clock: type("Fixed", (), {"admitted": lambda self: None, "rejected": lambda self: 1})())
+    rate, longest, done = _storm(lambda clock: RetryAfter(clock=clock))
+    assert fixed[0] > 300 and fixed[2] < 1.1 * 50, fixed
+    assert rate < 2.5 * 20 and 20 <= longest <= 30 and done < 1.1 * 50, (rate, longest, done)
 
 
 def _probes(sat: Saturation, lags: list[float], start: float | None = None) -> float:
