@@ -5,7 +5,7 @@ Built once per step by the model runner and passed down explicitly (no module gl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int32: block * block_size + offset for each new token; -1 = skip
     max_query_len: int  # host-side maxima, so kernel launches need no device-to-host sync
     max_seq_len: int
+    # what an attention backend derives from this metadata, kept for the step's other layers (the
+    # cpu backend's plan: kernels/cpu_attention.py); new with every AttentionMetadata, so never stale
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass

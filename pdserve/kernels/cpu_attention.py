@@ -5,12 +5,9 @@ results are bit for bit the reference's) and removes the host work the reference
 layer. Every layer of a step passes the same metadata; the reference reads it to the host, checks
 it, sorts requests into decodes, short queries and prefills, and builds the decode block ids and
 padding masks, 30 times per step for a 30-layer model. Here that work is a plan, built once per
-step and reused while the metadata holds the same values.
-
-_PlanMemo keeps the last plan together with a private copy of the metadata it was built from,
-and reuses it only when the tensors passed in are equal to that copy (torch.equal on a few small
-int32 tensors), so a tensor changed in place is never served a stale plan. That keeps the model
-runner unchanged (it builds fresh metadata each step and passes it down explicitly).
+step and reused by the step's other layers: the caller passes `plans`, a dict that lives as long
+as the metadata holds the same values (AttentionMetadata.plans: built with each step's metadata,
+so a plan is never served to another step). Without `plans`, every call builds its own.
 
 Why not a different algorithm: measured on an AVX2 CPU without native bf16 (2 cores), batched
 float32 bmm attention with GQA folded into the query rows, float32 SDPA over widened bf16 blocks,
@@ -22,7 +19,6 @@ multithreaded kernel that reads the blocks in place (issue 13).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,20 +56,25 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], q's dtype
+    plans: dict | None = None,  # kept by the caller for one step's metadata (module docstring)
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged KV; returns out."""
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     # Besides the metadata values, the decode chunking depends on these (reference._decode_chunk_size).
     key = (
+        "cpu",
         q.shape[0],
         k_cache.shape[1:],
         k_cache.dtype,
         torch.get_num_threads(),
         reference._DECODE_CHUNK_BYTES,
     )
-    metadata = (query_start_loc, seq_lens, block_tables)
-    plan = _MEMO.get(key, metadata, lambda: _build_plan(*metadata, q.shape[0], k_cache))
+    plan = None if plans is None else plans.get(key)
+    if plan is None:
+        plan = _build_plan(query_start_loc, seq_lens, block_tables, q.shape[0], k_cache)
+        if plans is not None:
+            plans[key] = plan
     reference._check_maxima(plan.layout, max_query_len, max_seq_len)
     # Rows past the last request are padding (e.g. for CUDA graphs): give them defined values.
     out[plan.layout.q_starts[-1] :].zero_()
@@ -86,32 +87,6 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, plan.layout, ids, q_len, scale, out
         )
     return out
-
-
-class _PlanMemo:
-    """The last call's plan, reused while the metadata values repeat (every layer of a step).
-
-    One attribute, replaced whole: concurrent callers each see a complete entry, at worst one
-    that fails the value check and is rebuilt.
-    """
-
-    def __init__(self) -> None:
-        self._entry: tuple[tuple, tuple[torch.Tensor, ...], _Plan] | None = None
-
-    def get(self, key: tuple, metadata: tuple[torch.Tensor, ...], build: Callable[[], _Plan]) -> _Plan:
-        entry = self._entry
-        if entry is not None and entry[0] == key and all(map(_same_values, entry[1], metadata)):
-            return entry[2]
-        plan = build()  # raises on bad metadata, leaving the old entry in place
-        self._entry = (key, tuple(t.clone() for t in metadata), plan)
-        return plan
-
-
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-
-
-_MEMO = _PlanMemo()
 
 
 def _build_plan(

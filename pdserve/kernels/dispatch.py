@@ -110,11 +110,14 @@ def paged_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], q's dtype
     backend: str | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged KV; returns out.
 
     Request s owns q[query_start_loc[s]:query_start_loc[s + 1]]; those are the last q_len
-    positions of its sequence of seq_lens[s] tokens.
+    positions of its sequence of seq_lens[s] tokens. `plans`: a dict the caller keeps for as long
+    as the metadata holds the same values (AttentionMetadata.plans: one step), where a backend may
+    keep what it derives from it for the next layers (the cpu backend does).
     """
     _check_cache_pair(k_cache, v_cache)
     _check_rank("q", q, 3)
@@ -141,7 +144,8 @@ def paged_attention(
         block_tables=block_tables,
         out=out,
     )
-    impl = _PAGED_ATTENTION[resolve_backend(backend, q.device)]
+    name = resolve_backend(backend, q.device)
+    impl = _PAGED_ATTENTION[name]
     return impl(
         q,
         k_cache,
@@ -153,6 +157,7 @@ def paged_attention(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         out=out,
+        **({"plans": plans} if name == "cpu" else {}),
     )
 
 

@@ -66,8 +66,9 @@ def test_decode_batch_split_into_chunks_with_rows_out_of_order(monkeypatch, dtyp
     seq_lens = [40, 5, 300, 17, 1, 33, 150, 16, 299, 64, 2]
     q_lens = [40] + [1] * (len(seq_lens) - 1)
     batch = make_batch(q_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
-    assert_cpu_matches(batch)
-    plan = cpu_attention._MEMO._entry[2]
+    plans = {}
+    assert_cpu_matches(batch, plans=plans)
+    (plan,) = plans.values()
     assert len(plan.decode_chunks) > 1 and not isinstance(plan.decode_chunks[0].rows, slice)
 
 
@@ -107,17 +108,45 @@ def test_strided_q_and_strided_out():
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
 
 
-def test_metadata_changed_in_place_is_not_served_a_stale_plan():
-    # Every layer of a step passes the same metadata; the plan is reused only while its values match.
+def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeypatch):
+    builds = []
+    build = cpu_attention._build_plan
+    monkeypatch.setattr(cpu_attention, "_build_plan", lambda *a: builds.append(a) or build(*a))
     batch = make_batch([1, 1, 1], [30, 12, 45])
-    assert_cpu_matches(batch)
-    plan = cpu_attention._MEMO._entry[2]
-    assert_cpu_matches(batch)
-    assert cpu_attention._MEMO._entry[2] is plan
+    plans = {}
+    for _ in range(3):  # three layers of one step
+        assert_cpu_matches(batch, plans=plans)
+    assert len(builds) == 1 and len(plans) == 1
+    # The next step's metadata comes with a new dict (AttentionMetadata.plans); without one, every
+    # call builds its own: no plan outlives the values it was built from.
     batch.seq_lens[1] = 5
     batch.block_tables[2, :3] = batch.block_tables[2, :3].flip(0)
+    assert_cpu_matches(batch, plans={})
     assert_cpu_matches(batch)
-    assert cpu_attention._MEMO._entry[2] is not plan
+    assert len(builds) == 3
+
+
+def test_the_engine_builds_one_plan_per_step_not_per_layer(monkeypatch, tmp_path):
+    from pdserve.engine import LLM, SamplingParams
+    from tests.conftest import TINY_SHAPE, save_tiny_model
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert resolve_backend(None, torch.device("cpu")) == "cpu"
+    builds = []
+    build = cpu_attention._build_plan
+    monkeypatch.setattr(cpu_attention, "_build_plan", lambda *a: builds.append(a) or build(*a))
+    save_tiny_model(tmp_path / "m", "llama")
+    assert TINY_SHAPE["num_hidden_layers"] >= 2
+    llm = LLM(str(tmp_path / "m"), dtype="float32", num_threads=1, skip_tokenizer_init=True, num_kv_blocks=16)
+    try:
+        steps = 0
+        llm.engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            steps += 1
+    finally:
+        llm.close()
+    assert steps == 4 and len(builds) == steps
 
 
 def test_empty_batch():

@@ -139,7 +139,7 @@ class Attention(nn.Module):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len,
+            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
         )  # [T, num_heads, head_dim]
         return self.o_proj(out.view(num_tokens, self.q_size))
 
