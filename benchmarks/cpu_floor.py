@@ -16,8 +16,10 @@ Everything is measured here, in one process, as medians of --repeats:
               The paths take turns within every repeat, so drift hits them alike; the fastest
               median is the floor.
   bandwidth   read bandwidth: a sum over a tensor far larger than the last-level cache.
-  streaming   the bytes of weights one decode step reads (as the engine holds them) / bandwidth:
-              the floor of a batch-1 step, which is memory-bound.
+  streaming   the bytes of the model's linear weights in its dtype (every one a step multiplies
+              by, the lm_head included) / bandwidth: the floor of a batch-1 step, which is
+              memory-bound. What the engine holds (an fp32 copy, oneDNN copies) is reported beside
+              it, not counted: reading a copy bigger than the model is the engine's cost.
   step        the engine's decode step: B requests of --context-len random tokens decoding
               together (max_num_seqs=B, ignore_eos), the median of --repeats engine.step() calls.
 """
@@ -132,6 +134,11 @@ def read_bandwidth_gbs(repeats: int, size_mb: int) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def model_weight_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of every linear weight a decode step multiplies by, once each, in the model's dtype."""
+    return sum(k * n * count for _, k, n, count in linear_shapes(config)) * dtype.itemsize
+
+
 def engine_weight_bytes(model) -> int:
     """Bytes of weights a decode step reads, as the engine holds them (bf16, an fp32 copy, a packed
     copy): every module's parameters and buffers but the embedding (one row a token) and the RoPE
@@ -191,13 +198,15 @@ def run(args) -> dict:
     rows = []
     for batch in args.batch_sizes:
         row = {"batch": batch, **gemm_floor(config, dtype, batch, args.repeats)}
-        row["step_ms"], weight_bytes = engine_step_ms(args, batch)
+        row["step_ms"], engine_bytes = engine_step_ms(args, batch)
         row["step_over_gemm_floor"] = row["step_ms"] / row["gemm_floor_ms"]
         rows.append(row)
+    weight_bytes = model_weight_bytes(config, dtype)
     stream_ms = 1e3 * weight_bytes / (bandwidth * 1e9)
     result = {"cpu": cpu_info(), "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
               "context_len": args.context_len, "repeats": args.repeats, "read_bandwidth_gbs": bandwidth,
-              "weight_bytes_per_step": weight_bytes, "weight_stream_ms": stream_ms, "rows": rows}
+              "weight_bytes_per_step": weight_bytes, "weight_stream_ms": stream_ms,
+              "engine_weight_bytes": engine_bytes, "rows": rows}
     one = next((r for r in rows if r["batch"] == 1), None)
     result["batch1_step_over_stream"] = None if one is None else one["step_ms"] / stream_ms
     return result
@@ -210,8 +219,9 @@ def report(result: dict) -> None:
           f"torch {cpu['torch']} ({cpu['torch_cpu_capability']})")
     print(f"model {result['model']} {result['dtype']}, {result['num_threads']} threads, context {result['context_len']}, "
           f"medians of {result['repeats']}")
-    print(f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s; weights read per step "
-          f"{result['weight_bytes_per_step'] / 2**20:.0f} MiB -> streaming floor {result['weight_stream_ms']:.1f} ms")
+    print(f"read bandwidth {result['read_bandwidth_gbs']:.1f} GB/s; the model's weights "
+          f"{result['weight_bytes_per_step'] / 2**20:.0f} MiB -> streaming floor {result['weight_stream_ms']:.1f} ms "
+          f"(the engine holds {result['engine_weight_bytes'] / 2**20:.0f} MiB of them)")
     paths = list(result["rows"][0]["gemm_ms"])
     print(f"{'batch':>5} " + " ".join(f"{p:>22}" for p in paths) + f" {'floor path':>22} {'step ms':>8} {'step/floor':>10}")
     for r in result["rows"]:
