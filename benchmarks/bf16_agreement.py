@@ -17,6 +17,10 @@ turning every later position into a mismatch: each position is judged on the sam
               a gap within one ulp of the model dtype at the top logit is a near-tie (rounding
               decides it, not the model)
 
+--transformers-baseline also scores transformers' own greedy decode (its KV cache, one request at a
+time) against its own teacher-forced forward: the rate at which bf16 disagrees with itself between
+an incremental decode and one forward pass, the floor any decoding engine is judged against.
+
 Prompts are 16 short English texts through the model's tokenizer, cycled to --num-prompts;
 --random-prompts uses seeded random token ids instead (tiny random models have no real text).
 """
@@ -88,6 +92,25 @@ def engine_generate(model_path, prompts: list[list[int]], args) -> list[list[int
     return outputs
 
 
+def transformers_generate(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy tokens, one request at a time (no padding), decoding with its KV
+    cache: the baseline. Scored like the engine, it shows how often bf16 disagrees with itself
+    between an incremental decode and one forward over the whole sequence."""
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # ignore_eos, as the engine ran
+    try:
+        with torch.inference_mode():
+            outputs = []
+            for prompt in prompts:
+                ids = torch.tensor([prompt])
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+                outputs.append(out[0, len(prompt):].tolist())
+    finally:
+        model.generation_config.eos_token_id = eos
+    return outputs
+
+
 def load_transformers(model_path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
@@ -151,6 +174,9 @@ def measure(args) -> dict:
               "prompts": "random" if args.random_prompts else "text", "seed": args.seed, "target": TARGET,
               **score(model, prompts, outputs)}
     result["meets_target"] = result["agreement"] >= TARGET
+    if args.transformers_baseline:
+        base = score(model, prompts, transformers_generate(model, prompts, args.max_tokens))
+        result["transformers_baseline"] = {k: v for k, v in base.items() if k not in ("requests", "disagreements")}
     # an exact tie is the engine's token among transformers' maxima; argmax takes the lowest id
     result["agreement_or_tie"] = (result["agreements"] + result["exact_ties"]) / max(result["positions"], 1)
     return result
@@ -165,6 +191,11 @@ def report(result: dict) -> None:
           f"target {100 * result['target']:.0f}%: {'met' if result['meets_target'] else 'NOT met'}); "
           f"{result['requests_all_agree']}/{result['num_prompts']} requests agree everywhere; "
           f"counting exact ties {100 * result['agreement_or_tie']:.2f}%")
+    base = result.get("transformers_baseline")
+    if base is not None:
+        print(f"baseline, transformers' own incremental greedy scored the same way: {100 * base['agreement']:.2f}% "
+              f"({base['num_disagreements']} disagreements, {base['near_ties']} within 1 ulp, "
+              f"{base['exact_ties']} exact ties)")
     if result["num_disagreements"]:
         print(f"{result['num_disagreements']} disagreements: {result['near_ties']} within 1 ulp "
               f"({result['exact_ties']} exact ties), gap median {result['gap_median']:.4g}, max {result['gap_max']:.4g}")
@@ -184,6 +215,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests the engine decodes at once (default: all; 1 runs the single-stream path)")
     p.add_argument("--random-prompts", action="store_true", help="seeded random token ids, not the built-in texts")
+    p.add_argument("--transformers-baseline", action="store_true",
+                   help="also score transformers' own incremental greedy decode the same way")
     p.add_argument("--out", "--json", dest="out", default=None, help="also write the result here (JSON)")
     return p.parse_args(argv)
 

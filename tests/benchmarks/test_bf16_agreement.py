@@ -19,7 +19,7 @@ SMALL = ["--num-prompts", str(NUM_PROMPTS), "--max-tokens", str(MAX_TOKENS), "--
 def test_float32_engine_agrees_with_transformers_everywhere(tiny_llama, capsys):
     # text prompts through the tiny byte-level tokenizer: the default path
     result = bf16_agreement.measure(bf16_agreement.parse_args(["--model", str(tiny_llama), "--dtype", "float32",
-                                                               *SMALL]))
+                                                               "--transformers-baseline", *SMALL]))
     assert result["positions"] == NUM_PROMPTS * MAX_TOKENS
     assert result["agreement"] == 1.0 and result["agreements"] == result["positions"]
     assert result["agreement_or_tie"] == 1.0
@@ -27,6 +27,11 @@ def test_float32_engine_agrees_with_transformers_everywhere(tiny_llama, capsys):
     assert result["requests_all_agree"] == NUM_PROMPTS and result["meets_target"]
     assert all(r["first_disagreement"] is None and r["agreement"] == 1.0 for r in result["requests"])
     assert [r["prompt_len"] for r in result["requests"]] == [len(t.encode()) for t in bf16_agreement.PROMPTS[:3]]
+    # transformers' own incremental greedy, scored the same way: in fp32 it agrees with itself too
+    base = result["transformers_baseline"]
+    assert base["positions"] == NUM_PROMPTS * MAX_TOKENS and base["agreement"] == 1.0
+    bf16_agreement.report(result)
+    assert "baseline, transformers' own incremental greedy scored the same way: 100.00%" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(120)
