@@ -22,6 +22,9 @@ Everything is measured here, in one process, as medians of --repeats:
               it, not counted: reading a copy bigger than the model is the engine's cost.
   step        the engine's decode step: B requests of --context-len random tokens decoding
               together (max_num_seqs=B, ignore_eos), the median of --repeats engine.step() calls.
+  prefill     one request's --prefill-tokens prompt prefilled in one step (a fresh random prompt
+              each repeat), against the GEMM floor of those rows (the lm_head on the one row
+              sampled): the share of the step its GEMMs would take at the floor.
 """
 
 from __future__ import annotations
@@ -96,15 +99,18 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
     return paths
 
 
-def gemm_floor(config, dtype: torch.dtype, batch: int, repeats: int) -> dict:
-    """Milliseconds of one decode step's linears per path (median), and the fastest path."""
+def gemm_floor(config, dtype: torch.dtype, batch: int, repeats: int, logit_rows: int | None = None) -> dict:
+    """Milliseconds of one step's linears per path (median), and the fastest path: `batch` rows
+    through every layer, `logit_rows` (default: batch) through the lm_head. A decode step samples
+    every row; a prefill chunk of one request samples its last token only."""
     g = torch.Generator().manual_seed(0)
     shapes = linear_shapes(config)
     steps = {}
     for name, (prepare, in_dtype) in gemm_paths(dtype).items():
         calls = []
-        for _, k, n, count in shapes:
-            x = torch.randn(batch, k, generator=g).to(in_dtype)
+        for shape_name, k, n, count in shapes:
+            rows = batch if shape_name != "lm_head" or logit_rows is None else logit_rows
+            x = torch.randn(rows, k, generator=g).to(in_dtype)
             for _ in range(count):  # distinct weights per layer: the step streams them all
                 calls.append((prepare(torch.randn(n, k, generator=g) * k**-0.5, batch), x))
         steps[name] = calls
@@ -182,6 +188,33 @@ def engine_step_ms(args, batch: int) -> tuple[float, int]:
         llm.close()
 
 
+def engine_prefill_ms(args, num_tokens: int) -> float:
+    """Median ms of an engine step that prefills one request's `num_tokens`-token prompt in one
+    chunk (fresh random prompts: no prefix-cache hit), over --repeats, after --warmup."""
+    from pdserve.engine import LLM, SamplingParams
+
+    block_size = 16
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=1, block_size=block_size,
+              num_kv_blocks=-(-(num_tokens + 2) // block_size) + 1, max_num_batched_tokens=num_tokens,
+              skip_tokenizer_init=True, max_model_len=num_tokens + 2)
+    try:
+        engine = llm.engine
+        g = torch.Generator().manual_seed(num_tokens)
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        times = []
+        for i in range(args.warmup + args.repeats):
+            engine.add_request(torch.randint(engine.model_config.vocab_size, (num_tokens,), generator=g).tolist(),
+                               params)
+            start = time.perf_counter()
+            engine.step()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+            assert not engine.has_unfinished(), "the prompt is prefilled (and its one token sampled) in one step"
+        return 1e3 * statistics.median(times)
+    finally:
+        llm.close()
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -201,12 +234,18 @@ def run(args) -> dict:
         row["step_ms"], engine_bytes = engine_step_ms(args, batch)
         row["step_over_gemm_floor"] = row["step_ms"] / row["gemm_floor_ms"]
         rows.append(row)
+    prefill = None
+    if args.prefill_tokens:
+        prefill = {"tokens": args.prefill_tokens,
+                   **gemm_floor(config, dtype, args.prefill_tokens, args.repeats, logit_rows=1)}
+        prefill["step_ms"] = engine_prefill_ms(args, args.prefill_tokens)
+        prefill["gemm_floor_over_step"] = prefill["gemm_floor_ms"] / prefill["step_ms"]
     weight_bytes = model_weight_bytes(config, dtype)
     stream_ms = 1e3 * weight_bytes / (bandwidth * 1e9)
     result = {"cpu": cpu_info(), "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
               "context_len": args.context_len, "repeats": args.repeats, "read_bandwidth_gbs": bandwidth,
               "weight_bytes_per_step": weight_bytes, "weight_stream_ms": stream_ms,
-              "engine_weight_bytes": engine_bytes, "rows": rows}
+              "engine_weight_bytes": engine_bytes, "rows": rows, "prefill": prefill}
     one = next((r for r in rows if r["batch"] == 1), None)
     result["batch1_step_over_stream"] = None if one is None else one["step_ms"] / stream_ms
     return result
@@ -229,6 +268,11 @@ def report(result: dict) -> None:
               + f" {r['gemm_floor_path']:>22} {r['step_ms']:>8.2f} {r['step_over_gemm_floor']:>10.2f}")
     if result["batch1_step_over_stream"] is not None:
         print(f"batch 1: step / weight streaming = {result['batch1_step_over_stream']:.2f}")
+    pre = result["prefill"]
+    if pre is not None:
+        print(f"prefill of {pre['tokens']} tokens: GEMM floor {pre['gemm_floor_ms']:.2f} ms ({pre['gemm_floor_path']}), "
+              f"engine step {pre['step_ms']:.2f} ms: the step runs at {100 * pre['gemm_floor_over_step']:.0f}% "
+              f"of its GEMM floor")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", default="1,16,64", type=lambda s: [int(b) for b in s.split(",")])
     p.add_argument("--context-len", type=int, default=256)
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="also time a prefill chunk of this many tokens against its GEMM floor (0: skip)")
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2, help="engine steps before the timed ones")

@@ -18,7 +18,7 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
     out = tmp_path / "floor.json"
     assert cpu_floor.main(["--model", str(tmp_path / "m"), "--dtype", dtype, "--batch-sizes", "1,2",
                            "--context-len", "16", "--num-threads", "1", "--repeats", "2", "--warmup", "1",
-                           "--bandwidth-mb", "64", "--json", str(out)]) == 0
+                           "--bandwidth-mb", "64", "--prefill-tokens", "48", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert set(result["cpu"]["flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     assert isinstance(result["cpu"]["native_bf16"], bool)
@@ -36,7 +36,11 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
         assert row["gemm_ms"][row["gemm_floor_path"]] == row["gemm_floor_ms"]
         assert row["step_ms"] > 0 and row["step_over_gemm_floor"] == pytest.approx(row["step_ms"] / row["gemm_floor_ms"])
     assert result["batch1_step_over_stream"] == pytest.approx(result["rows"][0]["step_ms"] / result["weight_stream_ms"])
+    pre = result["prefill"]
+    assert pre["tokens"] == 48 and pre["step_ms"] > 0 and pre["gemm_floor_ms"] == min(pre["gemm_ms"].values())
+    assert pre["gemm_floor_over_step"] == pytest.approx(pre["gemm_floor_ms"] / pre["step_ms"])
     printed = capsys.readouterr().out
+    assert "prefill of 48 tokens" in printed
     assert "avx512_bf16=" in printed and "floor path" in printed and "step / weight streaming" in printed
 
 
