@@ -5,7 +5,7 @@ N requests of `--input-len` random prompt tokens and `--output-len` output token
 stream through `/v1/completions` with at most `--concurrency` in flight. transformers runs the same
 prompts in batches of `--concurrency` (all prompts have the same length, so no padding waste).
 
-    python benchmarks/serving.py --model smollm2 --dtype bfloat16 --modes disagg colocated hf
+    python -m benchmarks.serving --model smollm2 --dtype bfloat16 --modes disagg colocated hf
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.bench.json_out import write_json
+if not __package__:  # run as a file (python benchmarks/serving.py): its helpers import as benchmarks.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pdserve.bench.json_out import write_json  # noqa: E402
 
 
 async def _one(session, url: str, prompt: list[int], max_tokens: int) -> dict:
