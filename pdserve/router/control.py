@@ -174,7 +174,10 @@ class ControlSocket:
         loop (messages waiting in the socket count from the last time it was found empty)."""
         if self.backlog:
             return self.backlog[0][2]
-        if self._shadow is not None and self._shadow.get(zmq.EVENTS) & zmq.POLLIN:
+        # Asked of the asyncio socket, not the shadow: reading EVENTS can use up the edge of libzmq's
+        # edge-triggered FD, and the asyncio socket then schedules its own check, so a pending
+        # receive still wakes for what is waiting.
+        if self._sock is not None and self._sock.get(zmq.EVENTS) & zmq.POLLIN:
             return self._caught_up_at
         return time.monotonic()
 

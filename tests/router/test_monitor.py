@@ -108,3 +108,34 @@ def test_the_read_loop_stamps_what_it_reads_with_when_the_socket_was_last_empty(
             peer.close(linger=0)
 
     asyncio.run(scenario())
+
+
+def test_peeking_at_the_socket_does_not_strand_a_waiting_receive(control):
+    """known_until asks the socket whether messages wait; libzmq's FD is edge-triggered, so a peek
+    that used up the edge would leave the read loop asleep on a message that has arrived."""
+    handled = []
+
+    async def handle(identity, msg, peer_key):
+        handled.append(msg)
+
+    async def scenario():
+        loop_task = asyncio.create_task(control.recv_loop(handle))
+        await asyncio.sleep(0.05)  # the loop waits on an empty socket
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            peer.connect(control.addr)
+            await asyncio.sleep(0.1)  # connected
+            peer.send(Heartbeat("n0", 1, 1, 0, 0).encode())
+            time.sleep(0.2)  # it arrives while the event loop is busy (blocked here)
+            before = time.monotonic()
+            assert control.known_until() <= before - 0.2  # waiting unread: the loop is behind
+            deadline = time.monotonic() + 5
+            while not handled:  # and the read loop still wakes for it, with no further message
+                assert time.monotonic() < deadline, "the waiting receive was stranded"
+                await asyncio.sleep(0.01)
+            assert control.known_until() >= before
+        finally:
+            loop_task.cancel()
+            peer.close(linger=0)
+
+    asyncio.run(scenario())
