@@ -2,7 +2,7 @@
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)
     paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, *,
-                    max_query_len=None, max_seq_len=None, out=None, backend=None) -> out
+                    max_query_len=None, max_seq_len=None, out=None, backend=None, plans=None) -> out
 
 `reference` holds the plain-torch implementation (the oracle), `cpu_attention` the CPU default,
 `triton_attention` the CUDA default; `dispatch` checks inputs and picks a backend.

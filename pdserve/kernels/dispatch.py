@@ -144,8 +144,7 @@ def paged_attention(
         block_tables=block_tables,
         out=out,
     )
-    name = resolve_backend(backend, q.device)
-    impl = _PAGED_ATTENTION[name]
+    impl = _PAGED_ATTENTION[resolve_backend(backend, q.device)]
     return impl(
         q,
         k_cache,
@@ -157,7 +156,7 @@ def paged_attention(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         out=out,
-        **({"plans": plans} if name == "cpu" else {}),
+        plans=plans,
     )
 
 

@@ -83,6 +83,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim], q's dtype
+    plans: dict | None = None,  # nothing to keep between layers (cpu_attention.py keeps a plan)
 ) -> torch.Tensor:
     """Causal attention of each request's new queries over its paged KV; returns out."""
     if out is None:

@@ -265,6 +265,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
+    plans: dict | None = None,  # nothing to keep between layers (cpu_attention.py keeps a plan)
 ) -> torch.Tensor:
     """Same contract as kernels.reference.paged_attention; dispatch has checked shapes and dtypes.
 

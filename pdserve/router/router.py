@@ -146,18 +146,20 @@ class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
         shed = self.saturation.admit(len(self.requests) + len(self.parked))
         if shed is not None:
             self.metrics.observe_shed(shed)
-            raise ProtocolError(f"the router is overloaded ({shed.replace('_', ' ')}); retry later", status=429,
-                                headers={"Retry-After": str(self.retry_after.rejected())})
+            raise self._too_many(f"the router is overloaded ({shed.replace('_', ' ')}); retry later")
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s else None
         try:
             route = self.registry.route(parsed.prompt_token_ids, parsed.sampling.max_tokens)
         except NoNodeError as e:
             raise ProtocolError(f"no ready {e} node is registered", status=503) from None
         except OverloadedError as e:
-            raise ProtocolError(f"every {e} node is at its queue limit; retry later", status=429,
-                                headers={"Retry-After": str(self.retry_after.rejected())}) from None
+            raise self._too_many(f"every {e} node is at its queue limit; retry later") from None
         self.retry_after.admitted()
         return deadline, route
+
+    def _too_many(self, message: str) -> ProtocolError:
+        """A 429 whose Retry-After books the client's retry (saturation.py: RetryAfter)."""
+        return ProtocolError(message, status=429, headers={"Retry-After": str(self.retry_after.rejected())})
 
     async def release(self, req: RouterRequest, reason: str = "client disconnected") -> None:
         """The HTTP side is done with `req`: if it has not ended, the client went away, so abort it."""

@@ -130,9 +130,9 @@ class RetryAfter:
     """The Retry-After of a 429, in whole seconds (1 to `max_s`).
 
     Retries are booked like a queue: each rejected client is given the next free slot (the first
-    one now, so at least 1 s), slots 1 / (2 A) apart, where A is the rate new requests were admitted at over the last `window_s`.
-    The crowd's retries come back at about twice the rate the servers take requests (enough to
-    fill every slot that frees, without a storm of 429s) and in turn."""
+    one now, so at least 1 s), slots 1 / (2 A) apart, A being the rate new requests were admitted
+    at over the last `window_s`. The crowd's retries come back at about twice the rate the servers
+    take requests (enough to fill every slot that frees, without a storm of 429s) and in turn."""
 
     def __init__(self, *, window_s: float = RETRY_WINDOW_S, max_s: int = MAX_RETRY_AFTER_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
