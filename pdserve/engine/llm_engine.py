@@ -19,7 +19,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import FINISHED, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.step_timings import StepTimings
@@ -213,7 +213,7 @@ class LLMEngine:
                         request.status = RequestStatus.FINISHED_STOPPED
                     else:
                         self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        outputs = [self._output(r) for r in stepped if r.is_finished]
+        outputs = [self._output(r) for r in stepped if r.status in FINISHED]
         spent = perf_counter() - start
         self.timings.output += spent
         self.timings.total += spent
@@ -232,18 +232,12 @@ class LLMEngine:
         sampled = self.runner.execute(out)  # fills timings.prepare, .forward, .sample
         executed = perf_counter()
         self.scheduler.postprocess(out, sampled)
-        stepped = []
-        for item in out.scheduled:
-            children = out.forked.get(item.request.request_id)
-            if children is not None:  # an n > 1 request forked into its choices: they stream from now on
-                self._fork_detokenizers(item.request.request_id, children)
-                stepped += children
-            elif item.request.request_id in sampled:
-                stepped.append(item.request)
+        for parent_id, children in out.forked.items():  # n > 1 requests forked: the choices stream from now on
+            self._fork_detokenizers(parent_id, children)
         end = perf_counter()
         timings.output = end - executed
         timings.total = end - start
-        return stepped
+        return out.stepped
 
     def _fork_detokenizers(self, parent_id: str, children: list[Request]) -> None:
         parent = self.detokenizers.pop(parent_id, None)

@@ -45,7 +45,7 @@ from pdserve.engine.parallel.layers import pack_wide_cpu_linears
 from pdserve.engine.parallel.sharding import check_tp, num_kv_heads_per_rank
 from pdserve.engine.parallel.step_wire import HostBatch, Step
 from pdserve.engine.rejection_sampler import verify_drafts
-from pdserve.engine.sampler import Sampler, SamplingInput
+from pdserve.engine.sampler import Sampler, SamplingInput, argmax_rows
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.step_timings import StepTimings
 
@@ -225,10 +225,10 @@ class ModelRunner:
         return sampled
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> dict:
-        if all(s.request.is_plain_greedy and not s.spec_token_ids for s in sampling):
+        plain_ids = [s.request.request_id for s in sampling if s.request.is_plain_greedy and not s.spec_token_ids]
+        if len(plain_ids) == len(sampling):
             # The common serving batch: one argmax and one read-back, no per-row sampler inputs.
-            token_ids = logits.argmax(-1).tolist()  # bf16 -> fp32 is exact, so the argmax needs no cast
-            return dict(zip([s.request.request_id for s in sampling], zip(token_ids, repeat(None))))
+            return dict(zip(plain_ids, zip(argmax_rows(logits).tolist(), repeat(None))))
         if any(s.spec_token_ids or s.request.forks for s in sampling):  # drafts to verify or choices to draw
             return verify_drafts(self.sampler, logits, sampling)
         rows = [SamplingInput(s.request.params, *s.request.sampling_view()) for s in sampling]
@@ -319,7 +319,7 @@ class ModelRunner:
         each. The draft proposer's step: it writes this runner's own KV pool."""
         input_ids, positions, meta, logits_indices = self.prepare_chunks(chunks)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[logits_indices]).argmax(-1).tolist()
+        return argmax_rows(self.model.compute_logits(hidden[logits_indices])).tolist()
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device. On CUDA: staged in pinned memory and copied with

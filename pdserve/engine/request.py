@@ -48,7 +48,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in FINISHED
 
     @property
     def is_remote_kv(self) -> bool:
@@ -56,6 +56,8 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.WAITING_FOR_KV, RequestStatus.RECEIVING_KV)
 
 
+# The end states (a tuple: `in` compares by identity first; an Enum's hash is Python code).
+FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 _arrival_counter = itertools.count()
 
 
@@ -104,6 +106,7 @@ class Request:
         p = self.params  # read once here: the sampler's fast path asks every step
         # Its next token is the plain argmax: no penalties, logprobs or choices to draw.
         self.is_plain_greedy = p.n == 1 and p.greedy and not p.needs_penalties and p.logprobs is None
+        self.forks = p.n > 1  # a parent of n > 1 choices: its next draw forks it into its children
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -148,11 +151,6 @@ class Request:
             self.output_logprobs.append(logprobs)
 
     # ---- parallel sampling ----------------------------------------------------------------
-    @property
-    def forks(self) -> bool:
-        """A parent of n > 1 choices: its next draw forks it into its children."""
-        return self.params.n > 1
-
     def sampling_rows(self) -> list[tuple[str, SamplingParams]]:
         """(request id, params) of each draw its next logits feed: itself, or its n choices."""
         if not self.forks:

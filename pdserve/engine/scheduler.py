@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import FINISHED, Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.scheduling_policy import (
     DEFAULT_SCHEDULING_POLICY,
@@ -244,17 +244,27 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, running, drafting = self.block_manager, self.running, self.config.num_lookahead_tokens > 0
+        tables, forked, block_size, scheduled = bm.tables, bm.forked, bm.block_size, out.scheduled
         i = 0
-        while i < len(running) and budget > 0:  # per request of the batch: kept lean
+        while i < len(running) and budget > 0:  # per request of the batch: kept lean (a call costs ~0.2 us)
             request = running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            request_id, computed, num_tokens = request.request_id, request.num_computed_tokens, len(request.all_token_ids)
+            num_new = min(num_tokens - computed, budget)
             lookahead = self._lookahead(request, num_new, budget) if drafting else 0
-            target = request.num_computed_tokens + num_new + lookahead
-            if not bm.holds(request.request_id, target):  # most decode steps need no new or copied block
+            target = computed + num_new + lookahead
+            table = tables.get(request_id)
+            # bm.holds(request_id, target), inlined: most decode steps need no new or copied block
+            if table is None or len(table) * block_size < target or request_id in forked:
                 budget, i, preempted = self._grow(out, request, target, budget, i)
                 if preempted:
                     continue
-            self._add_scheduled(out, request, num_new, lookahead)
+                table = tables[request_id]
+            # (request, num_computed_tokens, num_new_tokens, block_ids, samples): positional
+            # arguments build it in half the time of keywords
+            item = ScheduledRequest(request, computed, num_new, table, computed + num_new == num_tokens)
+            if lookahead:
+                item.num_lookahead_tokens = lookahead
+            scheduled.append(item)
             budget -= num_new + lookahead
             i += 1
         return budget
@@ -378,18 +388,24 @@ class Scheduler:
         self, out: SchedulerOutput, sampled: dict[str, tuple[int, dict[int, float] | None]]
     ) -> list[Request]:
         """Advance every scheduled request; `sampled` maps request id → (token, logprobs) for
-        those that sampled. Returns the requests that finished this step (blocks released)."""
-        finished = []
-        cache_full_blocks = self.block_manager.cache_full_blocks
-        for item in out.scheduled:  # per request of the batch: kept lean
+        those that sampled. Returns the requests that finished this step (blocks released), and
+        lists in `out.stepped` every request that got new tokens (an n > 1 parent's children)."""
+        finished, stepped = [], out.stepped
+        bm = self.block_manager
+        caching, keys, block_size = bm.enable_prefix_caching, bm.keys, bm.block_size
+        for item in out.scheduled:  # per request of the batch: kept lean (a call costs ~0.2 us here)
             request = item.request
-            if request.is_finished:  # aborted while the step ran
+            if request.status in FINISHED:  # aborted while the step ran: reported, nothing appended
+                if item.samples and not request.forks:
+                    stepped.append(request)
                 continue
             start = item.num_computed_tokens
             request.num_computed_tokens = computed = start + item.num_new_tokens
-            if start < request.num_prompt_tokens:  # a prompt chunk, not a decode
+            if start < len(request.prompt_token_ids):  # a prompt chunk, not a decode
                 self.num_prompt_tokens_computed += min(computed, request.num_prompt_tokens) - start
-            cache_full_blocks(request.request_id, request.all_token_ids, computed)
+            # cache_full_blocks' own early exit, without the call: no block became full (most steps)
+            if caching and len(keys.get(request.request_id, ())) < computed // block_size:
+                bm.cache_full_blocks(request.request_id, request.all_token_ids, computed)
             if not item.samples:
                 continue
             if request.forks:
@@ -397,7 +413,9 @@ class Scheduler:
                 for child in children:
                     if self._accept(child, *sampled[child.request_id]):
                         finished.append(child)
+                stepped += children
                 continue
+            stepped.append(request)
             if item.num_lookahead_tokens:
                 if self._accept_verified(item, sampled[request.request_id]):
                     finished.append(request)
@@ -426,14 +444,20 @@ class Scheduler:
 
     def _accept(self, request: Request, token_id: int, logprobs: dict[int, float] | None, *,
                 sampled_here: bool = True) -> bool:
-        """Append a sampled token; True when it finished the request (blocks released)."""
+        """Append a sampled token; True when it ended the request (blocks released): EOS, a stop
+        token id, max_tokens or max_model_len. (Stop strings need text: the engine checks them.)"""
         request.append_output(token_id, logprobs)
         request.num_new_output_tokens = 1
         self.num_tokens_sampled += sampled_here
-        status = self.check_stop(request)
-        if status is not None:
-            self.finish(request, status)
-        return status is not None
+        params = request.params
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
+        elif (len(request.output_token_ids) >= params.max_tokens
+              or len(request.all_token_ids) >= self.config.max_model_len):
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+        else:
+            return False
+        return True
 
     def _fork(self, parent: Request) -> list[Request]:
         """Replace the running `parent` by its n children, in its place in the batch order; they
@@ -465,12 +489,3 @@ class Scheduler:
             if parent.status in counted:
                 num += parent.params.n - 1
         return num
-
-    def check_stop(self, request: Request) -> RequestStatus | None:
-        """EOS, stop token ids, max_tokens, max_model_len. (Stop strings need text: the caller.)"""
-        params, last = request.params, request.output_token_ids[-1]
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -33,6 +33,7 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     forked: dict[str, list[Request]] = field(default_factory=dict)  # set by postprocess: parent id → children
+    stepped: list[Request] = field(default_factory=list)  # set by postprocess: requests given new tokens
 
     @property
     def is_empty(self) -> bool:
