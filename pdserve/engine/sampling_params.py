@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16  # output tokens at most (the EOS/stop token counts)
     temperature: float = 1.0  # 0 = greedy
