@@ -13,6 +13,7 @@ from pdserve.engine.sampler import (
     SamplingInput,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    argmax_rows,
     draw,
     seeded_uniform,
 )
@@ -102,6 +103,23 @@ def test_greedy_rows_take_the_argmax(dtype):
     out = Sampler()(logits, [make_row(temperature=0) for _ in range(8)])
     assert out.token_ids == logits.float().argmax(-1).tolist()
     assert out.logprobs == [None] * 8
+
+
+def test_argmax_rows_matches_torch_on_ties_nan_inf_and_strided_rows():
+    # numpy's argmax on the CPU (torch's last-dim argmax is slow there) must pick what torch's
+    # picks: the first maximum on ties, a NaN where a row has one, any index of an all -inf row
+    # the same one.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 3, (64, 40), generator=g).float()  # many ties
+    logits[3, 5] = logits[3, 30] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 7] = float("inf")
+    logits[6, :] = 2.0
+    for case in (logits, logits[:, ::3], logits.t().contiguous().t(), logits.double(), logits[:0]):
+        got = argmax_rows(case)
+        assert got.dtype == torch.int64 and got.tolist() == case.argmax(-1).tolist()
+    half = logits.to(torch.bfloat16)  # not numpy's: torch's own argmax
+    assert argmax_rows(half).tolist() == half.argmax(-1).tolist()
 
 
 def test_greedy_rows_inside_a_mixed_batch_take_the_argmax():

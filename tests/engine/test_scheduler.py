@@ -160,6 +160,38 @@ def test_eos_and_stop_tokens_finish_with_stop():
     assert_no_leak(sched.block_manager)
 
 
+def test_max_model_len_finishes_with_length():
+    sched = make_scheduler(num_blocks=16, block_size=4, max_model_len=6)
+    req = make_request(num_tokens=4, max_tokens=10, ignore_eos=True)
+    sched.add_request(req)
+    run_to_completion(sched)
+    assert (req.finish_reason, len(req.output_token_ids), req.num_tokens) == ("length", 2, 6)
+    assert_no_leak(sched.block_manager)
+
+
+def test_stepped_lists_the_requests_given_tokens_in_batch_order():
+    # out.stepped is what the nodes stream from: requests that sampled this step, in batch order,
+    # finished ones included; a prompt chunk that does not reach its last token is not there.
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=10)
+    a, b = make_request(num_tokens=4, max_tokens=1), make_request(num_tokens=4, max_tokens=5)
+    c = make_request(num_tokens=12, max_tokens=5)  # 2 of its 12 prompt tokens fit the first step
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = sched.schedule()
+    finished = sched.postprocess(out, fake_forward(out))
+    assert out.stepped == [a, b] and finished == [a]
+    out = sched.schedule()  # b decodes, c's chunk continues
+    sched.abort(b.request_id)  # aborted while the step ran: reported, nothing appended
+    sched.postprocess(out, fake_forward(out))
+    assert out.stepped == [b] and b.output_token_ids == [7] and b.finish_reason == "abort"
+    while not c.output_token_ids:
+        out = sched.schedule()
+        sched.postprocess(out, fake_forward(out))
+    assert out.stepped == [c]
+    sched.abort(c.request_id)
+    assert_no_leak(sched.block_manager)
+
+
 def test_abort_releases_blocks_from_every_queue():
     sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=64, num_host_blocks=8, max_num_seqs=2)
     reqs = [make_request(num_tokens=8, max_tokens=20) for _ in range(4)]
