@@ -210,7 +210,7 @@ class ModelRunner:
         `timings.prepare`, `.forward` and `.sample`."""
         start = perf_counter()
         sampling = [s for s in out.scheduled if s.samples]
-        step = Step(None if out.is_empty else self.prepare_host_batch(out), bool(sampling),
+        step = Step(None if out.is_empty else self.prepare_host_batch(out, len(sampling)), bool(sampling),
                     out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
         if self.executor is None:
             logits = self.run_step(step, start)
@@ -269,19 +269,20 @@ class ModelRunner:
         """(input ids [T], positions [T], metadata, logits indices) of the scheduled chunks, on the device."""
         return self.upload_batch(self.prepare_host_batch(out))
 
-    def prepare_host_batch(self, out: SchedulerOutput) -> HostBatch:
+    def prepare_host_batch(self, out: SchedulerOutput, num_sampling: int | None = None) -> HostBatch:
         """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request
         with draft tokens feeds them after its last token (query length 1 + k) and wants the
         logits of all 1 + k positions. A decode step (one token per request, no drafts) gathers
-        one column per field and no per-request lists."""
+        one column per field and no per-request lists. `num_sampling`: how many chunks sample,
+        when the caller has counted them (all of them: no per-request list of logits wanted)."""
         scheduled = out.scheduled
         starts = [s.num_computed_tokens for s in scheduled]
         tables = self.block_tables.gather(scheduled)
-        if out.num_batched_tokens == len(scheduled) and not any(s.spec_token_ids for s in scheduled):
+        drafts = self.config.speculative_config is not None and any(s.spec_token_ids for s in scheduled)
+        if out.num_batched_tokens == len(scheduled) and not drafts:
             token_ids = [s.request.all_token_ids[s.num_computed_tokens] for s in scheduled]
-            samples = [s.samples for s in scheduled]
-            return build_host_batch(token_ids, starts, tables, self.block_size,
-                                    num_logits=None if all(samples) else samples)
+            num_logits = None if num_sampling == len(scheduled) else [int(s.samples) for s in scheduled]
+            return build_host_batch(token_ids, starts, tables, self.block_size, num_logits=num_logits)
         token_ids, query_lens, num_logits = [], [], []
         for s in scheduled:
             start, spec = s.num_computed_tokens, s.spec_token_ids

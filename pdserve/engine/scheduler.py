@@ -446,7 +446,10 @@ class Scheduler:
                 sampled_here: bool = True) -> bool:
         """Append a sampled token; True when it ended the request (blocks released): EOS, a stop
         token id, max_tokens or max_model_len. (Stop strings need text: the engine checks them.)"""
-        request.append_output(token_id, logprobs)
+        request.output_token_ids.append(token_id)  # request.append_output, inlined: every request, every step
+        request.all_token_ids.append(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
         request.num_new_output_tokens = 1
         self.num_tokens_sampled += sampled_here
         params = request.params
