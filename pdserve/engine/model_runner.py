@@ -48,6 +48,7 @@ from pdserve.engine.rejection_sampler import verify_drafts
 from pdserve.engine.sampler import Sampler, SamplingInput, argmax_rows
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.step_timings import StepTimings
+from pdserve.kernels import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class ModelRunner:
             self.executor = TPExecutor(config, max_model_len)
         try:
             self.model = self._load_model()
+            if self.device.type == "cpu":
+                cpu_native.load()  # the decode kernel: built (or loaded from disk) now, not in the first step
             self.sampler = Sampler(seed=config.seed)
         except BaseException:
             self.close()

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 # Called through the module (reference._x), so what patches the reference patches this backend too.
-from pdserve.kernels import reference
+from pdserve.kernels import cpu_native, reference
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class _DecodeChunk:
 class _Plan:
     layout: reference._HostLayout
     decode_chunks: list[_DecodeChunk]
+    native_decode: tuple[torch.Tensor, torch.Tensor] | None  # (sequences, their q rows) [n] int64, for the kernel
     short: dict[int, list[int]]  # q_len -> requests: verifications batched per length
     prefill_ids: list[int]  # the rest of q_len > 1, one SDPA call each
 
@@ -78,8 +81,14 @@ def paged_attention(
     reference._check_maxima(plan.layout, max_query_len, max_seq_len)
     # Rows past the last request are padding (e.g. for CUDA graphs): give them defined values.
     out[plan.layout.q_starts[-1] :].zero_()
-    for chunk in plan.decode_chunks:
-        _attend_decode_chunk(q, k_cache, v_cache, chunk, scale, out)
+    native = cpu_native.load() if plan.native_decode is not None and q.dtype in _NATIVE_DTYPES else None
+    if native is not None and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.stride(-1) == 1 \
+            and out.stride(-2) == out.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous():
+        seqs, rows = plan.native_decode
+        native.decode_attention(q, k_cache, v_cache, block_tables.contiguous(), seq_lens, seqs, rows, out, scale)
+    else:
+        for chunk in plan.decode_chunks:
+            _attend_decode_chunk(q, k_cache, v_cache, chunk, scale, out)
     for s in plan.prefill_ids:
         reference._attend_one_prefill(q, k_cache, v_cache, block_tables[s], plan.layout, s, scale, out)
     for q_len, ids in plan.short.items():
@@ -108,7 +117,10 @@ def _build_plan(
         elif q_len > 1:
             prefill_ids.append(s)
     chunks = _plan_decodes(seq_lens, block_tables, layout, decode_ids, k_cache) if decode_ids else []
-    return _Plan(layout, chunks, short, prefill_ids)
+    native = None
+    if decode_ids and block_tables.device.type == "cpu":
+        native = (torch.tensor(decode_ids, dtype=torch.int64), torch.tensor([layout.q_starts[s] for s in decode_ids]))
+    return _Plan(layout, chunks, native, short, prefill_ids)
 
 
 def _plan_decodes(

@@ -1,29 +1,47 @@
-"""The "cpu" backend against the torch reference (bit for bit: it runs the reference's math) and
-the float64 naive attention (float32 1e-5, bfloat16 2e-2, the reference's own bounds).
+"""The "cpu" backend against the torch reference and the float64 naive attention (float32 1e-5,
+bfloat16 2e-2, the reference's own bounds). With the compiled decode kernel off (PDSERVE_CPU_NATIVE=0)
+the backend is the reference bit for bit (it runs the reference's math); with it on, every row the
+kernel does not compute still is, and decode rows agree with the naive attention within the bounds.
 """
 
 from __future__ import annotations
 
+import os
 import random
+from unittest import mock
 
 import pytest
 import torch
 
-from pdserve.kernels import cpu_attention, paged_attention, reference, resolve_backend
+from pdserve.kernels import cpu_attention, cpu_native, paged_attention, reference, resolve_backend
 from pdserve.kernels.dispatch import BACKEND_ENV
 from tests.kernels.test_reference import PagedBatch, make_batch, naive_attention
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+def decode_rows(batch: PagedBatch) -> list[int]:
+    """Rows of the requests with one query token: what the compiled kernel computes."""
+    starts = batch.query_start_loc.tolist()
+    return [starts[s] for s, q_len in enumerate(batch.q_lens) if q_len == 1]
+
+
 def assert_cpu_matches(batch: PagedBatch, **kwargs) -> torch.Tensor:
-    """cpu backend == reference exactly, and == naive within the dtype's tolerance."""
+    """Kernel off: cpu backend == reference exactly. Kernel on: == reference on the rows the kernel
+    does not compute. Both: == naive within the dtype's tolerance."""
     tol = TOL[batch.q.dtype]
-    got = paged_attention(*batch.args(), backend="cpu", **kwargs)
     want = paged_attention(*batch.args(), backend="torch", **kwargs)
+    naive = naive_attention(batch)
+    with mock.patch.dict(os.environ, {cpu_native.NATIVE_ENV: "0"}):
+        plain = paged_attention(*batch.args(), backend="cpu", **kwargs)
+    assert torch.equal(plain, want)
+    got = paged_attention(*batch.args(), backend="cpu", **kwargs)
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got.double(), naive_attention(batch), atol=tol, rtol=tol)
+    exact = torch.ones(got.shape[0], dtype=torch.bool)
+    if cpu_native.load() is not None:
+        exact[decode_rows(batch)] = False
+    assert torch.equal(got[exact], want[exact])
+    torch.testing.assert_close(got.double(), naive, atol=tol, rtol=tol)
     return got
 
 
@@ -122,8 +140,8 @@ def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeyp
     batch.seq_lens[1] = 5
     batch.block_tables[2, :3] = batch.block_tables[2, :3].flip(0)
     assert_cpu_matches(batch, plans={})
-    assert_cpu_matches(batch)
-    assert len(builds) == 3
+    assert_cpu_matches(batch)  # kernel off, then on: a plan each
+    assert len(builds) == 4
 
 
 def test_the_engine_builds_one_plan_per_step_not_per_layer(monkeypatch, tmp_path):
@@ -191,3 +209,56 @@ def test_default_backend_per_device_and_environment_override(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "fast")
     with pytest.raises(ValueError, match=BACKEND_ENV):
         resolve_backend(None, torch.device("cpu"))
+
+
+# ---- the compiled decode kernel (cpu_decode.cpp) -----------------------------------------------
+
+
+def test_the_decode_kernel_builds_on_this_machine():
+    # `make install` builds it; a machine with a C++ compiler must have it, or the CPU backend
+    # silently runs the slower torch decode path.
+    assert cpu_native.load() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (8, 8, 128, 8), (8, 1, 64, 16), (6, 2, 12, 4), (4, 2, 8, 16)])
+def test_the_decode_kernel_against_the_naive_attention(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    # Lengths around the 4-token blocking of the AVX2 loop and the block size; head_dim 12 takes the
+    # portable loops. Rows out of order (a prefill first), -1 padded tables, scattered blocks.
+    kernel = cpu_native.load()
+    rng = random.Random(num_heads * head_dim)
+    seq_lens = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 130, 301]
+    rng.shuffle(seq_lens)
+    q_lens = [20] + [1] * len(seq_lens)
+    batch = make_batch(q_lens, [40] + seq_lens, block_size=block_size, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=head_dim)
+    seqs = torch.arange(1, len(q_lens))
+    rows = torch.tensor(decode_rows(batch))
+    out = torch.full_like(batch.q, 3.0)
+    kernel.decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, seqs, rows,
+                            out, batch.scale)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out[rows].double(), naive_attention(batch)[rows], atol=tol, rtol=tol)
+    assert torch.all(out[:20] == 3.0)  # rows it was not given are not written
+
+
+def test_the_decode_kernel_refuses_bad_inputs():
+    kernel = cpu_native.load()
+    batch = make_batch([1, 1], [5, 9])
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, torch.arange(2),
+            torch.arange(2), torch.empty_like(batch.q), batch.scale)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        kernel.decode_attention(*(a.half() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                  for a in args))
+    with pytest.raises(RuntimeError, match="int32 block tables"):
+        kernel.decode_attention(*args[:3], batch.block_tables.long(), *args[4:])
+    # float16 through the backend: not the kernel's, so the torch path serves it
+    half = make_batch([1, 1], [5, 9], dtype=torch.float16)
+    got = paged_attention(*half.args(), backend="cpu")
+    assert torch.equal(got, paged_attention(*half.args(), backend="torch"))
+
+
+def test_with_the_kernel_off_nothing_builds_or_loads(monkeypatch):
+    monkeypatch.setenv(cpu_native.NATIVE_ENV, "0")
+    assert cpu_native.load() is None

@@ -1,0 +1,290 @@
+// Decode attention on the CPU, reading K/V in place through the block table (issue 13).
+//
+// One query token per sequence. Work item = a chunk of a sequence's tokens (whole blocks, sized for
+// ~4 items per thread, at most 512 tokens: flash-decoding, so one long sequence still uses every
+// thread), all heads at once, so each token's K and V rows (every KV head) are contiguous reads.
+// Two passes over the chunk: the scores q.k in fp32, then the exp(s - max)-weighted sum of V; bf16
+// K/V are widened in registers (bf16 is the top half of an fp32). The chunks of a sequence are
+// merged with their maxima (the usual log-sum-exp merge) and the output is rounded once to the
+// query's dtype. Items run on torch's intra-op threads (at::parallel_for): torch.set_num_threads
+// governs it.
+//
+// Built by pdserve/kernels/cpu_native.py (torch.utils.cpp_extension, cached on disk). With AVX2
+// and FMA the inner loops use them (4 tokens' dot products in flight, 8 exps at a time; head_dim a
+// multiple of 8); any other CPU or head_dim takes the portable loops.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's conversion
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = f32_to_bf16(v); }
+
+#ifdef PDSERVE_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+struct Geometry {
+  int64_t heads, kv_heads, head_dim, block_size, max_blocks, token_stride, block_stride;
+};
+
+#ifdef PDSERVE_AVX2
+// exp of 8 floats (Cephes' expf polynomial, ~1 ulp; exp(x) = 0 below -87, so no denormal reaches
+// the sums): the softmax's exps would otherwise cost more than its dot products.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// One work item: every head of one sequence over tokens [t0, t1) (whole blocks but the last), read
+// block by block through the table, so each token's K and V rows (all KV heads) are contiguous
+// reads. Leaves the chunk's softmax state per query head: max m, sum l of exp(s - m), and acc, the
+// exp-weighted sum of V rows.
+template <typename T>
+void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int64_t t0, int64_t t1,
+                  const Geometry& g, float scale, std::vector<float>& qf, std::vector<float>& scores,
+                  float* m_out, float* l_out, float* acc) {
+  const int64_t H = g.heads, G = g.heads / g.kv_heads, D = g.head_dim, BS = g.block_size, TS = g.token_stride;
+  const int64_t n = t1 - t0;
+  qf.resize(H * D);
+  scores.resize(H * n);
+  for (int64_t x = 0; x < H * D; ++x) qf[x] = load(q + x) * scale;
+  std::fill(acc, acc + H * D, 0.f);
+#ifdef PDSERVE_AVX2
+  const bool simd = D % 8 == 0;
+#endif
+  // Pass 1: scores[h][t - t0] = q_h . k_t (query head h reads KV head h / G).
+  for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
+    const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS);
+    const T* kb = k + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS;
+    int64_t i = 0;
+#ifdef PDSERVE_AVX2
+    if (simd) {
+      for (; i + 4 <= b1 - b0; i += 4) {
+        for (int64_t h = 0; h < H; ++h) {
+          const T* r0 = kb + i * TS + (h / G) * D;
+          const T *r1 = r0 + TS, *r2 = r1 + TS, *r3 = r2 + TS;
+          const float* qh = qf.data() + h * D;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh + d);
+            a0 = _mm256_fmadd_ps(qv, load8(r0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(r1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, load8(r2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, load8(r3 + d), a3);
+          }
+          float* sh = scores.data() + h * n + (b0 - t0) + i;
+          sh[0] = hsum(a0);
+          sh[1] = hsum(a1);
+          sh[2] = hsum(a2);
+          sh[3] = hsum(a3);
+        }
+      }
+    }
+#endif
+    for (; i < b1 - b0; ++i) {
+      for (int64_t h = 0; h < H; ++h) {
+        const T* kr = kb + i * TS + (h / G) * D;
+        float a = 0.f;
+        for (int64_t d = 0; d < D; ++d) a += qf[h * D + d] * load(kr + d);
+        scores[h * n + (b0 - t0) + i] = a;
+      }
+    }
+  }
+  // Softmax state of the chunk, per head; scores become exp(s - m).
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = scores.data() + h * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
+    float sum = 0.f;
+    int64_t i = 0;
+#ifdef PDSERVE_AVX2
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + i), mv));
+      _mm256_storeu_ps(sh + i, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    sum = hsum(sv);
+#endif
+    for (; i < n; ++i) {
+      sh[i] = std::exp(sh[i] - m);
+      sum += sh[i];
+    }
+    m_out[h] = m;
+    l_out[h] = sum;
+  }
+  // Pass 2: acc_h = sum over tokens of exp(s - m) v_t.
+  for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
+    const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS);
+    const T* vb = v + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS;
+    for (int64_t i = 0; i < b1 - b0; ++i) {
+      const int64_t col = (b0 - t0) + i;
+      for (int64_t kh = 0; kh < g.kv_heads; ++kh) {
+        const T* vr = vb + i * TS + kh * D;
+#ifdef PDSERVE_AVX2
+        if (simd) {
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 vv = load8(vr + d);
+            for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+              float* ah = acc + h * D + d;
+              _mm256_storeu_ps(ah, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + col]), vv, _mm256_loadu_ps(ah)));
+            }
+          }
+          continue;
+        }
+#endif
+        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
+          const float p = scores[h * n + col];
+          for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p * load(vr + d);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& tables,
+         const torch::Tensor& lens, const torch::Tensor& seqs, const torch::Tensor& rows, torch::Tensor& out,
+         float scale) {
+  const Geometry g{q.size(1), k.size(2), q.size(2), k.size(1), tables.size(1), k.stride(1), k.stride(0)};
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  const int64_t* sp = seqs.data_ptr<int64_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t q_row = q.stride(0), out_row = out.stride(0), H = g.heads, D = g.head_dim, BS = g.block_size;
+  const int64_t num_seqs = seqs.size(0);
+  // Split every sequence into chunks of whole blocks, small enough for ~4 items per thread
+  // (flash-decoding: one long sequence still uses every thread), at most 512 tokens.
+  int64_t total = 0;
+  for (int64_t x = 0; x < num_seqs; ++x) total += lp[sp[x]];
+  const int64_t target = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t chunk = (total + target - 1) / target;
+  chunk = std::min<int64_t>(512, std::max<int64_t>(BS, (chunk + BS - 1) / BS * BS));
+  std::vector<int64_t> first(num_seqs + 1, 0);  // items of sequence x: [first[x], first[x + 1])
+  for (int64_t x = 0; x < num_seqs; ++x) first[x + 1] = first[x] + std::max<int64_t>(1, (lp[sp[x]] + chunk - 1) / chunk);
+  const int64_t num_items = first[num_seqs];
+  std::vector<int64_t> owner(num_items);
+  for (int64_t x = 0; x < num_seqs; ++x)
+    for (int64_t it = first[x]; it < first[x + 1]; ++it) owner[it] = x;
+  std::vector<float> m(num_items * H), l(num_items * H), acc(num_items * H * D);
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores;
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t x = owner[it], s = sp[x], t0 = (it - first[x]) * chunk;
+      const int64_t t1 = std::min<int64_t>(lp[s], t0 + chunk);
+      attend_chunk<T>(qp + rp[x] * q_row, kp, vp, tp + s * g.max_blocks, t0, t1, g, scale, qf, scores,
+                      m.data() + it * H, l.data() + it * H, acc.data() + it * H * D);
+    }
+  });
+  // Merge each sequence's chunks: out_h = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.
+  at::parallel_for(0, num_seqs, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(D);
+    for (int64_t x = begin; x < end; ++x) {
+      for (int64_t h = 0; h < H; ++h) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t it = first[x]; it < first[x + 1]; ++it) top = std::max(top, m[it * H + h]);
+        float denom = 0.f;
+        std::fill(merged.begin(), merged.end(), 0.f);
+        for (int64_t it = first[x]; it < first[x + 1]; ++it) {
+          const float w = std::exp(m[it * H + h] - top);
+          denom += w * l[it * H + h];
+          const float* a = acc.data() + (it * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
+        }
+        T* o = op + rp[x] * out_row + h * D;
+        for (int64_t d = 0; d < D; ++d) store(o + d, merged[d] / denom);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out[rows[n]] = attention of q[rows[n]] over sequence seqs[n]'s first lens[seqs[n]] tokens.
+void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                      torch::Tensor seq_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention: shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(), "decode_attention: one dtype for q, K, V and out");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "decode_attention: q and out rows must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: contiguous caches");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "decode_attention: int32 block tables and lengths");
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && rows.scalar_type() == at::kLong && seqs.size(0) == rows.size(0),
+              "decode_attention: int64 seqs and rows");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "decode_attention: heads must be a multiple of kv heads");
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(q, k_cache, v_cache, block_tables, seq_lens.contiguous(), seqs.contiguous(), rows.contiguous(), out, s);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<uint16_t>(q, k_cache, v_cache, block_tables, seq_lens.contiguous(), seqs.contiguous(), rows.contiguous(), out,
+                  s);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention over the block table (CPU)");
+}

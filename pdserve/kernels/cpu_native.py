@@ -1,0 +1,89 @@
+"""The CPU backend's compiled decode kernel (cpu_decode.cpp): built once per machine with torch's
+C++ extension builder and kept on disk, so later processes only load it (~0.1 s).
+
+    load()    the module, or None when it cannot be built here (no compiler, a failed build) or
+              PDSERVE_CPU_NATIVE=0; the reason is logged once and the callers keep the torch path
+    build()   the same, raising on failure (`make install` runs it, so `make serve` never waits)
+
+The build directory is named by the source's hash, torch's version and the instruction sets it is
+built for (AVX2 + FMA when this CPU has them, else portable code), under $PDSERVE_CACHE_DIR or
+~/.cache/pdserve: a changed source, torch or CPU builds afresh, never loads a stale library.
+A first build takes ~45 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the torch path)
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "module" once loaded, "error" once a build failed
+
+
+def enabled() -> bool:
+    return os.environ.get(NATIVE_ENV, "1") != "0"
+
+
+def _cpu_flags() -> list[str]:
+    """-mavx2 -mfma where this CPU runs them (what the source's fast path needs), else nothing."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
+def _build_dir() -> tuple[Path, list[str]]:
+    flags = _cpu_flags()
+    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    return root / "cpu_decode" / tag, flags
+
+
+def build():
+    """Build (or load the cached build of) the extension; raises on failure."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory, flags = _build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    os.environ.setdefault("PATH", "")
+    bin_dir = str(Path(sys.executable).parent)  # ninja installed into this environment
+    if bin_dir not in os.environ["PATH"].split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
+    module = load_extension(
+        "pdserve_cpu_decode", [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
+    )
+    logger.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - start, directory)
+    return module
+
+
+def load():
+    """The module, or None (reason logged once): see the module docstring."""
+    if not enabled():
+        return None
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        if "error" in _state:
+            return None
+        try:
+            _state["module"] = build()
+        except Exception as e:  # no compiler, no ninja, a failed build: the torch path serves
+            _state["error"] = e
+            logger.warning("CPU decode kernel unavailable (%s: %s); decode attention uses the torch path",
+                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return None
+        return _state["module"]
