@@ -6,9 +6,9 @@ C++ extension builder and kept on disk, so later processes only load it (~0.1 s)
     build()   the same, raising on failure (`make install` runs it, so `make serve` never waits)
 
 The build directory is named by the source's hash, torch's version and the instruction sets it is
-built for (AVX2 + FMA when this CPU has them, else portable code), under $PDSERVE_CACHE_DIR or
-~/.cache/pdserve: a changed source, torch or CPU builds afresh, never loads a stale library.
-A first build takes ~45 s on 2 cores.
+built for (AVX2 + FMA when this CPU has them, else portable code), under the Python environment's
+var/pdserve (pdserve's cache directory if that is read-only): a changed source, torch or CPU builds
+afresh, never loads a stale library. A first build takes ~45 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -45,9 +45,16 @@ def _cpu_flags() -> list[str]:
 
 
 def _build_dir() -> tuple[Path, list[str]]:
+    """<root>/cpu_decode/<hash>: root is the Python environment's own var/pdserve (the venv that
+    `make install` filled: a build belongs to its environment, whatever PDSERVE_CACHE_DIR a
+    process sets), else pdserve's cache directory when the environment is read-only."""
+    from pdserve.engine.loader import cache_dir  # here: pdserve.engine imports this package
+
     flags = _cpu_flags()
     tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    root = Path(sys.prefix) / "var" / "pdserve"
+    if not os.access(root if root.exists() else Path(sys.prefix), os.W_OK):
+        root = cache_dir()
     return root / "cpu_decode" / tag, flags
 
 

@@ -192,11 +192,15 @@ def test_strided_q_from_fused_projection():
     assert_matches_naive(batch)
 
 
-def test_host_maxima_and_backend_choice_do_not_change_the_result():
+def test_host_maxima_and_backend_choice_do_not_change_the_result(monkeypatch):
     batch = make_batch(MIXED_Q_LENS, MIXED_SEQ_LENS)
     plain = paged_attention(*batch.args())
-    for kwargs in ({"backend": "torch"}, {"max_query_len": 13, "max_seq_len": 45}):
+    for kwargs in ({"backend": "cpu"}, {"max_query_len": 13, "max_seq_len": 45}):
         torch.testing.assert_close(paged_attention(*batch.args(), **kwargs), plain, atol=0, rtol=0)
+    # The CPU default is the reference bit for bit once its compiled decode kernel is off.
+    monkeypatch.setenv("PDSERVE_CPU_NATIVE", "0")
+    torch.testing.assert_close(paged_attention(*batch.args(), backend="torch"), paged_attention(*batch.args()),
+                               atol=0, rtol=0)
 
 
 def test_empty_batch():
