@@ -37,13 +37,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fp32_out = False  # hand fp32 to the next GEMM (DecoderLayer.hand_fp32_to_gemms)
+        self.weight32: torch.Tensor | None = None  # set: hand fp32 to the next GEMM (hand_fp32_out)
+
+    def hand_fp32_out(self) -> None:
+        """Return weight * normalised x in fp32 (the fp32 weight kept, not widened every call)."""
+        self.weight32 = self.weight.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.fp32_out:
-            return self.weight.float() * x32
+        if self.weight32 is not None:
+            return self.weight32 * x32
         return self.weight * x32.to(x.dtype)
 
 
@@ -175,7 +179,8 @@ class DecoderLayer(nn.Module):
         bf16 to fp32 anyway. The bf16 roundings in between go (results differ by rounding only),
         and with them casts and bf16 elementwise ops, slow on CPUs without native bf16. The
         residual stream, q/k/v, the KV cache and attention stay bf16."""
-        self.input_layernorm.fp32_out = self.post_attention_layernorm.fp32_out = True
+        self.input_layernorm.hand_fp32_out()
+        self.post_attention_layernorm.hand_fp32_out()
         self.mlp.gate_up_proj.out_dtype = torch.float32
 
 
