@@ -20,6 +20,7 @@ multithreaded kernel that reads the blocks in place (issue 13).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -41,10 +42,19 @@ class _DecodeChunk:
 @dataclass(frozen=True)
 class _Plan:
     layout: reference._HostLayout
-    decode_chunks: list[_DecodeChunk]
+    decode_ids: list[int]  # requests with one query token
     native_decode: tuple[torch.Tensor, torch.Tensor] | None  # (sequences, their q rows) [n] int64, for the kernel
     short: dict[int, list[int]]  # q_len -> requests: verifications batched per length
     prefill_ids: list[int]  # the rest of q_len > 1, one SDPA call each
+    metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (seq_lens, block_tables, k_cache), for the chunks
+
+    @cached_property
+    def decode_chunks(self) -> list[_DecodeChunk]:
+        """The torch path's decode chunks: built when a step first takes that path, not when the
+        compiled kernel serves every layer."""
+        if not self.decode_ids:
+            return []
+        return _plan_decodes(*self.metadata[:2], self.layout, self.decode_ids, self.metadata[2])
 
 
 def paged_attention(
@@ -116,11 +126,10 @@ def _build_plan(
             short.setdefault(q_len, []).append(s)
         elif q_len > 1:
             prefill_ids.append(s)
-    chunks = _plan_decodes(seq_lens, block_tables, layout, decode_ids, k_cache) if decode_ids else []
     native = None
     if decode_ids and block_tables.device.type == "cpu":
         native = (torch.tensor(decode_ids, dtype=torch.int64), torch.tensor([layout.q_starts[s] for s in decode_ids]))
-    return _Plan(layout, chunks, native, short, prefill_ids)
+    return _Plan(layout, decode_ids, native, short, prefill_ids, (seq_lens, block_tables, k_cache))
 
 
 def _plan_decodes(

@@ -81,6 +81,9 @@ def load():
     """The module, or None (reason logged once): see the module docstring."""
     if not enabled():
         return None
+    module = _state.get("module")  # every attention call asks: no lock once loaded
+    if module is not None:
+        return module
     with _lock:
         if "module" in _state:
             return _state["module"]
