@@ -1,6 +1,9 @@
 """The engine's decode step with the oneDNN weight copies (engine/parallel/layers.py) for no layer,
-the wide layers (as shipped) or every layer, in one process: the same engine and requests, the
-variants taking turns step by step (order rotating), medians. It measures what the copies buy.
+the wide layers only (out >= 2 x in and >= 1M weights: the rule before every layer was packed) or
+every layer (`all`: a copy for each weight of any size), in one process: the same engine and
+requests, the variants taking turns step by step (order rotating), medians. The engine as shipped
+packs every layer of at least PACK_MIN_WEIGHTS weights: `all` on real models. It measures what the
+copies buy.
 
     python -m benchmarks.onednn_ab --dtype bfloat16 --batch 16 --num-threads 2 --steps 12
 """
@@ -32,12 +35,22 @@ def main(argv: list[str] | None = None) -> int:
               skip_tokenizer_init=True, max_model_len=max_len, num_kv_blocks=args.batch * (max_len // 16 + 2))
     engine = llm.engine
     layers = [m for m in engine.runner.model.modules() if hasattr(m, "packed")]
-    fp32 = [m.weight32 if hasattr(m, "weight32") else m.weight for m in layers]
+    # the fp32 weights (a bf16 model's packed layers keep none: rebuilt from their bf16 weights)
+    fp32 = [m.weight if not hasattr(m, "weight16") else m.weight16.float() if m.weight32 is None else m.weight32
+            for m in layers]
+    for layer, w in zip(layers, fp32):
+        if hasattr(layer, "weight32"):
+            layer.weight32 = w  # F.linear reads it in the variants without a copy
+
+    def pack(w: torch.Tensor, wide_only: bool):
+        out_features, in_features = w.shape
+        if w.dtype != torch.float32 or (wide_only and (out_features < 2 * in_features or w.numel() < 1 << 20)):
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 16)
     variants = {
         "none": [None] * len(layers),
-        "wide": [m.packed for m in layers],
-        "all": [torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 16) if w.dtype == torch.float32
-                else None for w in fp32],
+        "wide": [pack(w, True) for w in fp32],
+        "all": [pack(w, False) for w in fp32],
     }
     print({k: sum(x is not None for x in v) for k, v in variants.items()}, "of", len(layers), "layers hold a copy")
     g = torch.Generator().manual_seed(0)

@@ -41,7 +41,7 @@ from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from pdserve.engine.parallel import state
 from pdserve.engine.parallel.kv_shards import KVShard
-from pdserve.engine.parallel.layers import pack_wide_cpu_linears
+from pdserve.engine.parallel.layers import pack_cpu_linears
 from pdserve.engine.parallel.sharding import check_tp, num_kv_heads_per_rank
 from pdserve.engine.parallel.step_wire import HostBatch, Step
 from pdserve.engine.rejection_sampler import verify_drafts
@@ -197,7 +197,7 @@ class ModelRunner:
         model.to(self.dtype)
         model.rotary.float()  # RoPE tables stay float32, as in transformers
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            pack_wide_cpu_linears(model)  # oneDNN copies of the wide layers (parallel/layers.py)
+            pack_cpu_linears(model)  # oneDNN copies of the weights (parallel/layers.py)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             num = use_fp32_gemms_for_bf16(model)
             logger.info("no native bf16 on this CPU: %d bf16 linear layers run as fp32 GEMMs on bf16 values", num)

@@ -90,7 +90,8 @@ def paged_attention(
             plans[key] = plan
     reference._check_maxima(plan.layout, max_query_len, max_seq_len)
     # Rows past the last request are padding (e.g. for CUDA graphs): give them defined values.
-    out[plan.layout.q_starts[-1] :].zero_()
+    if plan.layout.q_starts[-1] < out.shape[0]:
+        out[plan.layout.q_starts[-1] :].zero_()
     native = cpu_native.load() if plan.native_decode is not None and q.dtype in _NATIVE_DTYPES else None
     if native is not None and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.stride(-1) == 1 \
             and out.stride(-2) == out.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous():

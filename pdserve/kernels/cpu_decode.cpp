@@ -69,10 +69,11 @@ struct Geometry {
 
 #ifdef PDSERVE_AVX2
 // exp of 8 floats (Cephes' expf polynomial, ~1 ulp; exp(x) = 0 below -87, so no denormal reaches
-// the sums): the softmax's exps would otherwise cost more than its dot products.
+// the sums, and +inf above 88): the softmax's exps would otherwise cost more than its dot products.
 inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
   const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 inf_mask = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -86,7 +87,8 @@ inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(zero_mask, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  const __m256 finite = _mm256_andnot_ps(zero_mask, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+  return _mm256_blendv_ps(finite, _mm256_set1_ps(std::numeric_limits<float>::infinity()), inf_mask);
 }
 #endif
 
@@ -258,7 +260,232 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   });
 }
 
+// ---- fused elementwise ops of a decoder layer ----------------------------------------------
+// Each replaces a run of small torch ops (~5-10 us of dispatch each at decode sizes, ~40 a layer)
+// with one call and the same arithmetic: the same roundings to the activation dtype in the same
+// places as the torch code in engine/models/llama.py, so RoPE, the K/V store and the residual add
+// give the torch path's bits; RMSNorm's sum of squares and SiLU's exp differ from torch's in the
+// last bits (summation order; a polynomial exp, ~1 ulp). Compiled with -ffp-contract=off: no a*b+c
+// is fused where torch rounds the product.
+
+inline float round_as(float x, float*) { return x; }
+inline float round_as(float x, uint16_t*) { return bf16_to_f32(f32_to_bf16(x)); }
+template <typename T>
+inline float rnd(float x) { return round_as(x, static_cast<T*>(nullptr)); }
+
+// rows of at least ~16K elements per thread: a decode batch's row runs on one thread
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
+
+inline float sum_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef PDSERVE_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(x0, x0, a0);
+    a1 = _mm256_fmadd_ps(x1, x1, a1);
+  }
+  total = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+// R residual, D delta, W weight, O out. residual[t] = R(residual[t] + R(delta[t])) when delta is
+// given; x = float(residual[t]); out[t] = O(w * O(x * rsqrt(mean(x^2) + eps))) (llama.RMSNorm:
+// with O = float and an fp32 weight, the `hand_fp32_out` form; with O = R, transformers' form).
+template <typename R, typename D, typename W, typename O>
+void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows, int64_t width, int64_t res_stride,
+                       int64_t delta_stride, float eps) {
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(width);
+    for (int64_t t = begin; t < end; ++t) {
+      R* r = res + t * res_stride;
+      if (delta != nullptr) {
+        const D* d = delta + t * delta_stride;
+        for (int64_t i = 0; i < width; ++i) {
+          const float v = rnd<R>(load(r + i) + rnd<R>(load(d + i)));
+          store(r + i, v);
+          x[i] = v;
+        }
+      } else {
+        for (int64_t i = 0; i < width; ++i) x[i] = load(r + i);
+      }
+      const float scale = 1.f / std::sqrt(sum_squares(x.data(), width) / static_cast<float>(width) + eps);
+      O* o = out + t * width;
+      for (int64_t i = 0; i < width; ++i) store(o + i, rnd<O>(load(w + i) * rnd<O>(x[i] * scale)));
+    }
+  });
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+// q = RoPE(q), k = RoPE(k) as llama.RotaryRows computes them in C (the cache dtype): each of x * cos,
+// roll(x) * sin_signed and their sum rounded to C; q rows to q_out, k and C(v) rows to the caches
+// at slot_mapping (-1: skipped). qkv rows are [q heads | k heads | v heads] in F (fp32 or C).
+template <typename F, typename C>
+void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* sin, int64_t rope_stride,
+                     C* k_cache, C* v_cache, int64_t slot_stride, const int32_t* slots, C* q_out, int64_t tokens,
+                     int64_t heads, int64_t kv_heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, row_grain((heads + 2 * kv_heads) * dim), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const F* row = qkv + t * qkv_stride;
+      const C* c = cos + t * rope_stride;
+      const C* s = sin + t * rope_stride;
+      const int32_t slot = slots[t];
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const F* src = row + h * dim;
+        C* dst = h < heads ? q_out + (t * heads + h) * dim
+                           : (slot < 0 ? nullptr : k_cache + slot * slot_stride + (h - heads) * dim);
+        if (dst == nullptr) continue;
+        for (int64_t i = 0; i < dim; ++i) x[i] = rnd<C>(load(src + i));
+        for (int64_t i = 0; i < dim; ++i) {
+          const float rolled = x[i < half ? i + half : i - half];
+          store(dst + i, rnd<C>(rnd<C>(x[i] * load(c + i)) + rnd<C>(rolled * load(s + i))));
+        }
+      }
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const F* src = row + (heads + kv_heads + h) * dim;
+        C* dst = v_cache + slot * slot_stride + h * dim;
+        for (int64_t i = 0; i < dim; ++i) store(dst + i, load(src + i));
+      }
+    }
+  });
+}
+
+// out = T(T(silu(gate)) * up), gate | up the two halves of each row (llama.MLP).
+template <typename T>
+void silu_mul_impl(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, row_grain(2 * width), [&](int64_t begin, int64_t end) {
+    std::vector<float> g(width);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gr = gate_up + t * stride;
+      const T* up = gr + width;
+      T* o = out + t * width;
+      for (int64_t i = 0; i < width; ++i) g[i] = -load(gr + i);
+      int64_t i = 0;
+#ifdef PDSERVE_AVX2
+      for (; i + 8 <= width; i += 8) _mm256_storeu_ps(g.data() + i, exp8(_mm256_loadu_ps(g.data() + i)));
+#endif
+      for (; i < width; ++i) g[i] = std::exp(g[i]);
+      for (int64_t j = 0; j < width; ++j) {
+        const float x = load(gr + j);
+        store(o + j, rnd<T>(rnd<T>(x / (1.f + g[j])) * load(up + j)));
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": a 2-D tensor with contiguous rows");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
+}
+
 }  // namespace
+
+// residual += delta (rounded to residual's dtype; delta may be None), then RMSNorm of the new
+// residual; returns the norm [T, H] in out_dtype's dtype (float32 or the residual's).
+torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> delta, torch::Tensor weight,
+                           double eps, bool fp32_out) {
+  check_rows(residual, "add_rms_norm residual");
+  const int64_t rows = residual.size(0), width = residual.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width && weight.is_contiguous(), "add_rms_norm: weight [H]");
+  const bool res16 = is_bf16(residual);
+  TORCH_CHECK(fp32_out ? weight.scalar_type() == at::kFloat : weight.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: an fp32 weight for fp32 output, else the residual's dtype");
+  auto out = torch::empty({rows, width}, residual.options().dtype(fp32_out ? at::kFloat : residual.scalar_type()));
+  const void* d = nullptr;
+  bool d16 = res16;
+  int64_t d_stride = 0;
+  if (delta.has_value()) {
+    check_rows(*delta, "add_rms_norm delta");
+    TORCH_CHECK(delta->sizes() == residual.sizes(), "add_rms_norm: delta and residual shapes differ");
+    d = delta->data_ptr();
+    d16 = is_bf16(*delta);
+    d_stride = delta->stride(0);
+    TORCH_CHECK(res16 || !d16, "add_rms_norm: a bf16 delta for an fp32 residual");
+  }
+  const float e = static_cast<float>(eps);
+  const int64_t rs = residual.stride(0);
+  if (!res16) {
+    add_rms_norm_impl(ptr<float>(residual), static_cast<const float*>(d), ptr<float>(weight), ptr<float>(out), rows,
+                      width, rs, d_stride, e);
+  } else if (fp32_out && d16) {
+    add_rms_norm_impl(ptr<uint16_t>(residual), static_cast<const uint16_t*>(d), ptr<float>(weight), ptr<float>(out),
+                      rows, width, rs, d_stride, e);
+  } else if (fp32_out) {
+    add_rms_norm_impl(ptr<uint16_t>(residual), static_cast<const float*>(d), ptr<float>(weight), ptr<float>(out),
+                      rows, width, rs, d_stride, e);
+  } else if (d16) {
+    add_rms_norm_impl(ptr<uint16_t>(residual), static_cast<const uint16_t*>(d), ptr<uint16_t>(weight),
+                      ptr<uint16_t>(out), rows, width, rs, d_stride, e);
+  } else {
+    add_rms_norm_impl(ptr<uint16_t>(residual), static_cast<const float*>(d), ptr<uint16_t>(weight),
+                      ptr<uint16_t>(out), rows, width, rs, d_stride, e);
+  }
+  return out;
+}
+
+// RoPE on q and k, k and v into the paged caches at slot_mapping; returns q [T, heads, dim] in the
+// caches' dtype. qkv [T, (heads + 2 kv_heads) dim] in float32 or that dtype; cos, sin_signed
+// [T, 1, dim] in that dtype (llama.RotaryRows).
+torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor slot_mapping, int64_t heads) {
+  check_rows(qkv, "rope_store_kv qkv");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "rope_store_kv: contiguous caches [blocks, block_size, kv_heads, dim] of one dtype");
+  const int64_t tokens = qkv.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "rope_store_kv: qkv width");
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "rope_store_kv: a float32 or bfloat16 cache");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == dtype, "rope_store_kv: qkv in fp32 or the cache's dtype");
+  for (const auto* t : {&cos, &sin_signed})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(2) == dim && t->stride(2) == 1 &&
+                    t->scalar_type() == dtype, "rope_store_kv: cos / sin rows [T, 1, dim] in the cache's dtype");
+  TORCH_CHECK(cos.stride(0) == sin_signed.stride(0), "rope_store_kv: cos and sin laid out alike");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.scalar_type() == at::kInt &&
+                  slot_mapping.is_contiguous(), "rope_store_kv: slot_mapping [T] int32");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int32_t* slots = slot_mapping.data_ptr<int32_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "rope_store_kv: slot ", slots[t], " outside the cache's ", num_slots);
+  auto q = torch::empty({tokens, heads, dim}, qkv.options().dtype(dtype));
+  const int64_t ss = k_cache.stride(1), rs = cos.stride(0), qs = qkv.stride(0);
+  if (dtype == at::kFloat) {
+    rope_store_impl(ptr<float>(qkv), qs, ptr<float>(cos), ptr<float>(sin_signed), rs, ptr<float>(k_cache),
+                    ptr<float>(v_cache), ss, slots, ptr<float>(q), tokens, heads, kv_heads, dim);
+  } else if (qkv.scalar_type() == at::kFloat) {
+    rope_store_impl(ptr<float>(qkv), qs, ptr<uint16_t>(cos), ptr<uint16_t>(sin_signed), rs, ptr<uint16_t>(k_cache),
+                    ptr<uint16_t>(v_cache), ss, slots, ptr<uint16_t>(q), tokens, heads, kv_heads, dim);
+  } else {
+    rope_store_impl(ptr<uint16_t>(qkv), qs, ptr<uint16_t>(cos), ptr<uint16_t>(sin_signed), rs,
+                    ptr<uint16_t>(k_cache), ptr<uint16_t>(v_cache), ss, slots, ptr<uint16_t>(q), tokens, heads,
+                    kv_heads, dim);
+  }
+  return q;
+}
+
+// silu(gate) * up of [T, 2I] rows (gate | up); returns [T, I] in the input's dtype.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: an even width (gate | up)");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+  if (is_bf16(gate_up)) {
+    silu_mul_impl(ptr<uint16_t>(gate_up), gate_up.stride(0), ptr<uint16_t>(out), rows, width);
+  } else {
+    silu_mul_impl(ptr<float>(gate_up), gate_up.stride(0), ptr<float>(out), rows, width);
+  }
+  return out;
+}
 
 // out[rows[n]] = attention of q[rows[n]] over sequence seqs[n]'s first lens[seqs[n]] tokens.
 void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -287,4 +514,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the block table (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (CPU)");
+  m.def("rope_store_kv", &rope_store_kv, "RoPE on q and k, k and v stored in the paged caches (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
 }

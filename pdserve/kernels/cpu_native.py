@@ -1,12 +1,13 @@
-"""The CPU backend's compiled decode kernel (cpu_decode.cpp): built once per machine with torch's
-C++ extension builder and kept on disk, so later processes only load it (~0.1 s).
+"""The CPU's compiled ops (cpu_decode.cpp: the decode attention kernel and a decoder layer's fused
+elementwise ops): built once per machine with torch's C++ extension builder and kept on disk, so
+later processes only load it (~0.1 s).
 
     load()    the module, or None when it cannot be built here (no compiler, a failed build) or
               PDSERVE_CPU_NATIVE=0; the reason is logged once and the callers keep the torch path
     build()   the same, raising on failure (`make install` runs it, so `make serve` never waits)
 
-The build directory is named by the source's hash, torch's version and the instruction sets it is
-built for (AVX2 + FMA when this CPU has them, else portable code), under the Python environment's
+The build directory is named by the source's hash, torch's version and the compiler flags (with the
+instruction sets it is built for: AVX2 + FMA when this CPU has them, else portable code), under the Python environment's
 var/pdserve (pdserve's cache directory if that is read-only): a changed source, torch or CPU builds
 afresh, never loads a stale library. A first build takes ~45 s on 2 cores.
 """
@@ -50,7 +51,7 @@ def _build_dir() -> tuple[Path, list[str]]:
     process sets), else pdserve's cache directory when the environment is read-only."""
     from pdserve.engine.loader import cache_dir  # here: pdserve.engine imports this package
 
-    flags = _cpu_flags()
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()]
     tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
     root = Path(sys.prefix) / "var" / "pdserve"
     if not os.access(root if root.exists() else Path(sys.prefix), os.W_OK):
@@ -70,7 +71,7 @@ def build():
     if bin_dir not in os.environ["PATH"].split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
     module = load_extension(
-        "pdserve_cpu_decode", [str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
+        "pdserve_cpu_decode", [str(_SOURCE)], extra_cflags=flags,
         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
     )
     logger.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - start, directory)

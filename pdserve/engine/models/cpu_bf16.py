@@ -6,15 +6,15 @@ multiplies bf16 inputs exactly and accumulates in fp32. This layer does the same
 fp32 GEMM: the weights are bf16 values held in fp32 (products of bf16 values are exact in fp32),
 the activations are bf16 values widened to fp32, the sum accumulates in fp32, and the output is
 rounded back to bf16. The residual stream, attention and the KV cache stay bf16; a norm's output
-and the MLP's activation go to their GEMM in fp32 (`hand_fp32_to_gemms`); the weights take twice
-the memory. The fp32 GEMM is the CPU's fastest for several rows (engine/parallel/layers.py:
-`cpu_linear`): a wide layer also holds a oneDNN copy of its weight for them.
+and the MLP's activation go to their GEMM in fp32 (`hand_fp32_to_gemms`). The fp32 GEMM is the
+CPU's fastest for several rows (engine/parallel/layers.py: `cpu_linear`) on a oneDNN copy of the
+fp32 weight; a layer too small for the copy keeps the fp32 weight itself for F.linear.
 
 One row (a single stream's decode step) is a GEMV, bound by the memory's pace, not the math: it
 reads the bf16 weights (half the bytes of the fp32 copy) with torch's bf16 GEMV, which also sums
 in fp32 and rounds once; it differs from the fp32 GEMM by summation order only. On an AVX2 EPYC
 (2 threads) the default model's GEMMs of one row took 21.7 ms this way against 43.7-60.2 ms in
-fp32 (benchmarks/cpu_floor.py). The layer keeps both copies: 1.5x the fp32 layer's memory.
+fp32 (benchmarks/cpu_floor.py). The layer keeps both: 1.5x the fp32 layer's memory.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ from pdserve.engine.parallel.layers import cpu_linear, onednn_packed_weight
 class Bf16ViaFp32Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        # bf16-rounded values in fp32 containers: the GEMM sees exactly the bf16 weights.
-        self.register_buffer("weight32", linear.weight.detach().to(torch.bfloat16).float(), persistent=False)
+        # bf16-rounded values in fp32: the GEMM sees exactly the bf16 weights. Packed for oneDNN when
+        # big enough (then the fp32 weight itself is not kept: only F.linear would read it).
+        weight32 = linear.weight.detach().to(torch.bfloat16).float()
+        self.packed = onednn_packed_weight(weight32)
+        self.register_buffer("weight32", weight32 if self.packed is None else None, persistent=False)
         bias = linear.bias
         self.register_buffer("bias32", None if bias is None else bias.detach().to(torch.bfloat16).float(),
                              persistent=False)
@@ -38,16 +41,19 @@ class Bf16ViaFp32Linear(nn.Module):
         self.register_buffer("weight16", linear.weight.detach().to(torch.bfloat16), persistent=False)
         self.register_buffer("bias16", None if bias is None else bias.detach().to(torch.bfloat16),
                              persistent=False)
-        self.packed = onednn_packed_weight(self.weight32)
-        self.out_dtype = torch.bfloat16  # float32 where the output feeds only another fp32 GEMM
+        # float32 where the output feeds only another fp32 GEMM; None where the consumer rounds to
+        # bf16 itself: the GEMM's own output then (fp32 for several rows, bf16 from the GEMV)
+        self.out_dtype: torch.dtype | None = torch.bfloat16
         # a tensor-parallel layer's collective (engine/parallel/layers.py), kept across the swap
         self.tp_combine = getattr(linear, "tp_combine", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:  # one row: a GEMV over the bf16 weights
-            y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16).to(self.out_dtype)
+        if x.numel() <= x.shape[-1]:  # one row: a GEMV over the bf16 weights (or no row)
+            y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16)
         else:
-            y = cpu_linear(x.float(), self.weight32, self.bias32, self.packed).to(self.out_dtype)
+            y = cpu_linear(x.float(), self.weight32, self.bias32, self.packed)
+        if self.out_dtype is not None:
+            y = y.to(self.out_dtype)
         return y if self.tp_combine is None else self.tp_combine(y)
 
 

@@ -5,6 +5,13 @@ Linear layers act on `[T, hidden]`; only attention knows request boundaries, thr
 (RMSNorm in float32, RoPE tables in float32 cast to the activation dtype) so that greedy
 outputs match it token for token in float32.
 
+The residual stream runs beside the layers' outputs (as in vLLM): each norm adds the last block's
+output to the residual and normalises the sum (`RMSNorm.add_norm`), the same math as
+`x = x + block(norm(x))`. On a CPU with the compiled ops (kernels/cpu_native.py: `native`), the
+residual add and norm, RoPE with the K/V store, and SiLU x up each run as one call instead of
+several torch ops (kernels/cpu_decode.cpp says what is bit for bit the same); `native` is None on a
+GPU, without the build, or with PDSERVE_CPU_NATIVE=0, and the torch code below runs.
+
 With tensor parallelism (engine/parallel/) the model is built as the shard of this process's rank
 (`tp_rank()` of `tp_size()`): its query and KV heads, its MLP rows, its vocab rows; `load_weights`
 slices the full checkpoint tensors. At size 1 that is the whole model, with no collective.
@@ -29,7 +36,10 @@ from pdserve.engine.parallel.layers import (
 )
 from pdserve.engine.parallel.sharding import check_tp, kv_head_range, q_head_range, shard_range
 from pdserve.engine.parallel.state import tp_rank, tp_size
-from pdserve.kernels import paged_attention, store_kv
+from pdserve.kernels import cpu_native, paged_attention, store_kv
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU ops take
 
 
 class RMSNorm(nn.Module):
@@ -49,6 +59,18 @@ class RMSNorm(nn.Module):
         if self.weight32 is not None:
             return self.weight32 * x32
         return self.weight * x32.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, native=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(r), r) with r = residual + x rounded to the residual's dtype, or r = x when there is
+        no residual yet (the first layer). The compiled op updates the residual in place."""
+        if native is not None:
+            fp32_out = self.weight32 is not None
+            if residual is None:
+                residual, x = x, None
+            return native.add_rms_norm(residual, x, self.weight32 if fp32_out else self.weight, self.eps,
+                                       fp32_out), residual
+        residual = x if residual is None else residual + x.to(residual.dtype)
+        return self(residual), residual
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -131,16 +153,22 @@ class Attention(nn.Module):
         x: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | RotaryRows,
+        native=None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        qkv = self.qkv_proj(x)  # float32 where the GEMM hands fp32 on (hand_fp32_to_gemms)
+        if native is not None and isinstance(rotary, RotaryRows):
+            q = native.rope_store_kv(qkv, rotary.cos, rotary.sin_signed, k_cache, v_cache, meta.slot_mapping,
+                                     self.num_heads)
+        else:
+            q, k, v = qkv.to(k_cache.dtype).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k = rotary(positions, q, k)
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
@@ -156,8 +184,11 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
         self.down_proj = RowParallelLinear(part, config.hidden_size, size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, native=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if native is not None:
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -169,19 +200,31 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, meta, kv_cache, rotary) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta, kv_cache, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, meta, kv_cache, rotary, native=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it is added); residual None: the
+        first layer, x the embeddings (the next norm adds the output: RMSNorm.add_norm)."""
+        h, residual = self.input_layernorm.add_norm(x, residual, native)
+        h = self.self_attn(positions, h, meta, kv_cache, rotary, native)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual, native)
+        return self.mlp(h, native), residual
 
     def hand_fp32_to_gemms(self) -> None:
         """For a bf16 model whose GEMMs run in fp32 on bf16 values (models/cpu_bf16.py): the two
         norms and the gate_up projection hand fp32 straight on to the next GEMM, which would widen
         bf16 to fp32 anyway. The bf16 roundings in between go (results differ by rounding only),
         and with them casts and bf16 elementwise ops, slow on CPUs without native bf16. The
-        residual stream, q/k/v, the KV cache and attention stay bf16."""
+        residual stream, q/k/v, the KV cache and attention stay bf16: the qkv, o and down
+        projections hand on what their GEMM gives (out_dtype None) and what takes it rounds it to
+        bf16 first (Attention, RMSNorm.add_norm), in the compiled op where there is one: no
+        separate cast, the same values. A layer whose output a collective sums (tensor
+        parallelism) keeps bf16 out, as every rank's sum did."""
         self.input_layernorm.hand_fp32_out()
         self.post_attention_layernorm.hand_fp32_out()
         self.mlp.gate_up_proj.out_dtype = torch.float32
+        self.self_attn.qkv_proj.out_dtype = None
+        for proj in (self.self_attn.o_proj, self.mlp.down_proj):
+            if proj.tp_combine is None:
+                proj.out_dtype = None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,9 +251,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.at(positions, x.dtype)  # the RoPE rows, once for every layer
+        native = cpu_native.load() if x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES else None
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, meta, kv_cache, rotary)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, meta, kv_cache, rotary, native)
+        return self.norm.add_norm(x, residual, native)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab float32 logits [S, vocab] on every rank (the lm_head gathers the vocab shards)."""

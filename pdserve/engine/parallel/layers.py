@@ -12,8 +12,8 @@ At size 1 every layer is the plain nn.Linear / nn.Embedding (same parameters, sa
 collective). The collective runs in `tp_combine`, a plain function attribute (None at size 1) so
 that a layer swap keeping it (engine/models/cpu_bf16.py) keeps the layer's semantics.
 
-On a CPU the wide layers (gate_up, the lm_head) also hold their weight reordered for oneDNN
-(`pack_wide_cpu_linears`, at load time); `cpu_linear` says when it is used and why.
+On a CPU every layer of at least PACK_MIN_WEIGHTS weights also holds its weight reordered for
+oneDNN (`pack_cpu_linears`, at load time); `cpu_linear` says when it is used and why.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ColumnParallelLinear(nn.Linear):
             self.offsets.append(self.offsets[-1] + end - start)
         super().__init__(in_features, self.offsets[-1], bias=bias)
         self.tp_combine = None  # the next layer takes the rank's rows as they are
-        self.packed = None  # oneDNN's copy of the weight (pack_wide_cpu_linears)
+        self.packed = None  # oneDNN's copy of the weight (pack_cpu_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias, self.packed)
@@ -104,38 +104,38 @@ class ParallelLMHead(nn.Linear):
 
 # ---- CPU GEMMs ------------------------------------------------------------------------------
 PACK_BATCH_HINT = 16  # the rows oneDNN tunes the reordered layout for; any number of rows runs on it
-# oneDNN's fixed cost per call (40-150 us on 2 threads) pays off only on big weights: a 1M-weight
-# GEMM takes about 0.3 ms at 16 rows; the tiny test models' layers stay on F.linear
-PACK_MIN_WEIGHTS = 1 << 20
+# oneDNN's fixed cost per call (~25-30 us on 2 threads) pays off from about 128K weights: on an AVX2
+# EPYC, 30 distinct weights called in turn (as a step does), 256 x 256 tied with F.linear at 1 and
+# 16 rows, 384 x 384 took 0.84-0.89x, 64 x 192 took 1.6-4x; the tiny test models stay on F.linear
+PACK_MIN_WEIGHTS = 1 << 17
 
 
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                packed: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b. With a oneDNN copy of W (`packed`) and more than one row, oneDNN computes it:
-    for a few rows MKL's GEMM (F.linear) re-packs a wide W on every call, which costs about as
-    much as the GEMM; oneDNN reads the copy reordered once (inductor's freezing path does the
-    same). One row stays on F.linear: MKL's GEMV streams W at the memory's pace, and oneDNN adds
-    a fixed cost a call. Both are fp32 GEMMs with fp32 sums; only the summation order differs."""
-    if packed is None or x.numel() <= x.shape[-1]:
+    """x W^T + b. With a oneDNN copy of W (`packed`) oneDNN computes it: MKL's GEMM (F.linear)
+    re-packs W on every call at a few rows, which costs about as much as the GEMM, and oneDNN reads
+    the copy reordered once (inductor's freezing path does the same). Measured on an AVX2 EPYC, 2
+    threads, the default model's shapes, 30 weights in turn: 0.51-0.83x of F.linear's time at 2-16
+    rows; at 512 rows 0.62x on gate_up, 0.92x on qkv, tied on o and down; at one row 0.64-0.92x
+    except down_proj (1.14-1.49x; a layer's four GEMVs together 0.78-0.88x). Both are fp32 GEMMs with fp32 sums;
+    only the summation order differs. `weight` may be None where `packed` is set."""
+    if packed is None or x.numel() == 0:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's reordered copy of an fp32 CPU weight [out, in] when it pays (see cpu_linear): a
-    wide layer (out >= 2 x in: gate_up, the lm_head; at M = 2..64 oneDNN took 0.5-0.8x of
-    F.linear's time on them on an AVX2 EPYC, and tied on the square and narrow ones) of at least
-    PACK_MIN_WEIGHTS weights, else None."""
-    out_features, in_features = weight.shape
-    if (weight.device.type != "cpu" or weight.dtype != torch.float32 or out_features < 2 * in_features
+    """oneDNN's reordered copy of an fp32 CPU weight [out, in] of at least PACK_MIN_WEIGHTS weights
+    (see cpu_linear), else None."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
             or weight.numel() < PACK_MIN_WEIGHTS or not torch.backends.mkldnn.is_available()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
-def pack_wide_cpu_linears(model: nn.Module) -> int:
-    """Give every wide fp32 CPU layer of `model` its oneDNN copy (load time, after the weights and
-    the dtype are final); returns how many. The layer keeps its weight for one-row calls."""
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Give every big enough fp32 CPU layer of `model` its oneDNN copy (load time, after the weights
+    and the dtype are final); returns how many. The layer keeps its weight (the model's parameter)."""
     num = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):

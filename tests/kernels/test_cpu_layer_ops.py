@@ -1,0 +1,228 @@
+"""The compiled CPU ops of a decoder layer (kernels/cpu_decode.cpp: add_rms_norm, rope_store_kv,
+silu_mul) against the torch code they replace (engine/models/llama.py): RoPE, the K/V store and the
+residual add bit for bit; RMSNorm and SiLU (summation order, a polynomial exp) within a few ulps.
+And a whole model's forward with the ops against the same model without them."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.attention_metadata import AttentionMetadata
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
+from pdserve.engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from pdserve.kernels import cpu_native, store_kv
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_native.load()
+    assert ops is not None, "the compiled ops build on a machine with a C++ compiler (make install)"
+    return ops
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest difference in units of the last place of `dtype` at want's magnitude; differences
+    below 1e-30 count as none (silu(-88.5) is -3e-37 in torch, -0 with an exp that overflows at 88)."""
+    assert torch.equal(got.isnan(), want.isnan())
+    mantissa = 7 if dtype == torch.bfloat16 else 23
+    scale = 2.0 ** (torch.floor(torch.log2(want.double().abs().clamp_min(1e-30))) - mantissa)
+    diff = (got.double() - want.double()).nan_to_num().abs()
+    return (torch.where(diff < 1e-30, 0.0, diff) / scale).max().item()
+
+
+def config(**overrides) -> ModelConfig:
+    base = dict(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=72, intermediate_size=136,
+                num_layers=3, num_heads=6, num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5,
+                max_position_embeddings=256)
+    return ModelConfig(**(base | overrides))
+
+
+# ---- RoPE and the K/V store ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qkv_fp32", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 12), (9, 3, 64), (4, 4, 8)])
+def test_rope_store_kv_is_the_torch_code_bit_for_bit(ops, dtype, qkv_fp32, heads, kv_heads, dim):
+    torch.manual_seed(heads * dim)
+    cfg = config(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, hidden_size=heads * dim)
+    tokens, block_size, num_blocks = 11, 4, 9
+    positions = torch.randint(0, 200, (tokens,))
+    rows = RotaryEmbedding(cfg, 256).at(positions, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 3
+    if not qkv_fp32:
+        qkv = qkv.to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:tokens].int()
+    slots[[2, 7]] = -1  # padding tokens: not stored
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache, v_cache = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    # the torch code (llama.Attention without the ops)
+    q, k, v = qkv.to(dtype).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = rows(positions, q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim))
+    store_kv(k, v.view(tokens, kv_heads, dim), want_k, want_v, slots)
+    got_q = ops.rope_store_kv(qkv, rows.cos, rows.sin_signed, k_cache, v_cache, slots, heads)
+    assert got_q.dtype == dtype and got_q.shape == (tokens, heads, dim)
+    assert torch.equal(got_q, q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)  # untouched slots too
+
+
+def test_rope_store_kv_refuses_bad_inputs(ops):
+    cfg = config()
+    rows = RotaryEmbedding(cfg, 256).at(torch.arange(3), torch.float32)
+    cache = torch.zeros(2, 4, 2, 12)
+    qkv = torch.zeros(3, 10 * 12)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        ops.rope_store_kv(qkv[:, :-12], rows.cos, rows.sin_signed, cache, cache.clone(), slots, 6)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rope_store_kv(qkv, rows.cos, rows.sin_signed, cache, cache.clone(), torch.tensor([0, 8, 1], dtype=torch.int32), 6)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.rope_store_kv(qkv, rows.cos, rows.sin_signed, cache, cache.clone(), slots.long(), 6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rope_store_kv(qkv, rows.cos, rows.sin_signed, cache.half(), cache.half(), slots, 6)
+    assert torch.all(cache == 0)  # nothing written by a refused call
+
+
+# ---- residual add + RMSNorm ---------------------------------------------------------------------
+@pytest.mark.parametrize(("dtype", "delta_dtype", "fp32_out"), [
+    (torch.float32, torch.float32, False),  # a float32 model
+    (torch.bfloat16, torch.bfloat16, False),  # bf16 on a CPU with native bf16 GEMMs (and the final norm)
+    (torch.bfloat16, torch.float32, True),  # bf16 via fp32 GEMMs (models/cpu_bf16.py): fp32 in and out
+    (torch.bfloat16, torch.bfloat16, True),  # ... a one-row step's bf16 GEMV output
+    (torch.bfloat16, None, True),  # the first layer: no residual yet
+    (torch.float32, None, False),
+])
+@pytest.mark.parametrize("width", [72, 576, 13])
+def test_add_rms_norm_against_the_torch_norm(ops, dtype, delta_dtype, fp32_out, width):
+    torch.manual_seed(width)
+    norm = RMSNorm(width, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width) + 1)
+    norm.to(dtype)
+    if fp32_out:
+        norm.hand_fp32_out()
+    residual = (torch.randn(37, width) * 4).to(dtype)
+    # a strided delta: rows of a wider tensor, as a split would give
+    delta = None if delta_dtype is None else (torch.randn(37, width + 5) * 2).to(delta_dtype)[:, :width]
+    want_res = residual if delta is None else residual + delta.to(dtype)
+    want = norm(want_res)
+    got_res = residual.clone()
+    got = ops.add_rms_norm(got_res, delta, norm.weight32 if fp32_out else norm.weight, norm.eps, fp32_out)
+    assert torch.equal(got_res, want_res)  # the add: bit for bit, in place
+    assert got.dtype == want.dtype == (torch.float32 if fp32_out else dtype) and got.shape == want.shape
+    # the sum of squares in another order: its rsqrt within a few fp32 ulps, which a bf16 result
+    # turns into at most one bf16 ulp
+    assert ulps(got, want, got.dtype) <= (1 if got.dtype == torch.bfloat16 else 8)
+    # and add_norm as the model calls it, with and without the op
+    res_a, res_b = residual.clone(), residual.clone()
+    normed_a, res_a = norm.add_norm(delta, res_a, ops) if delta is not None else norm.add_norm(res_a, None, ops)
+    normed_b, res_b = norm.add_norm(delta, res_b) if delta is not None else norm.add_norm(res_b, None)
+    assert torch.equal(res_a, res_b) and torch.equal(normed_a, got) and torch.equal(normed_b, want)
+
+
+def test_add_rms_norm_refuses_bad_inputs(ops):
+    res = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="shapes differ"):
+        ops.add_rms_norm(res, torch.zeros(4, 9), torch.ones(8), 1e-6, False)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.add_rms_norm(res, None, torch.ones(9), 1e-6, False)
+    with pytest.raises(RuntimeError, match="bf16 delta for an fp32 residual"):
+        ops.add_rms_norm(res, torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(8), 1e-6, False)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.add_rms_norm(res.half(), None, torch.ones(8).half(), 1e-6, False)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.add_rms_norm(torch.zeros(8, 4).t(), None, torch.ones(8), 1e-6, False)
+
+
+# ---- SiLU x up ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [136, 1536, 5])
+def test_silu_mul_against_torch(ops, dtype, width):
+    torch.manual_seed(width)
+    gate_up = (torch.randn(19, 2 * width) * 6).to(dtype)
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -88.5, 88.5])  # exp under- and overflow, zero
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == want.shape
+    # fp32: the polynomial exp's ~1 ulp, through x / (1 + e) and the product
+    assert ulps(got, want, dtype) <= (1 if dtype == torch.bfloat16 else 8)
+    assert ops.silu_mul(gate_up[:0]).shape == (0, width)
+
+
+# ---- a whole forward ----------------------------------------------------------------------------
+class CountingOps:
+    """The compiled module, counting the calls of each op."""
+
+    def __init__(self, ops) -> None:
+        self.ops, self.calls = ops, {}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return getattr(self.ops, name)(*args)
+        return call
+
+
+def _forward(model: LlamaForCausalLM, dtype: torch.dtype, native: bool) -> tuple[torch.Tensor, list]:
+    """A prefill of 9 tokens, a chunk of 5 more tokens over 6 cached, and two decodes, in one batch;
+    returns the last hidden rows and the caches."""
+    cfg, block_size = model.config, 4
+    q_lens, seq_lens = [9, 5, 1, 1], [9, 11, 7, 20]
+    tables = torch.full((4, 6), -1, dtype=torch.int32)
+    slots, positions, next_block = [], [], 0
+    for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        num = -(-seq_len // block_size)
+        tables[s, :num] = torch.arange(next_block, next_block + num)
+        next_block += num
+        for pos in range(seq_len - q_len, seq_len):
+            positions.append(pos)
+            slots.append(int(tables[s, pos // block_size]) * block_size + pos % block_size)
+    g = torch.Generator().manual_seed(7)
+    caches = [tuple(torch.randn(next_block, block_size, cfg.num_kv_heads, cfg.head_dim, generator=g).to(dtype)
+                    for _ in range(2)) for _ in range(cfg.num_layers)]
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(starts, dtype=torch.int32),
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+                             slot_mapping=torch.tensor(slots, dtype=torch.int32), max_query_len=max(q_lens),
+                             max_seq_len=max(seq_lens))
+    ids = torch.randint(cfg.vocab_size, (starts[-1],), generator=g)
+    with mock.patch.dict(os.environ, {cpu_native.NATIVE_ENV: "1" if native else "0"}), torch.inference_mode():
+        hidden = model(ids, torch.tensor(positions), meta, caches)
+    return hidden, caches
+
+
+@pytest.mark.parametrize("form", ["float32", "bf16-native-gemms", "bf16-via-fp32"])
+def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
+    cfg = config(qkv_bias=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, 64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    dtype = torch.float32 if form == "float32" else torch.bfloat16
+    model.to(dtype)
+    model.rotary.float()
+    if form == "bf16-via-fp32":
+        use_fp32_gemms_for_bf16(model)
+    counting = CountingOps(ops)
+    with mock.patch.dict(cpu_native._state, {"module": counting}):
+        with_ops, caches_a = _forward(model, dtype, native=True)
+    layers = cfg.num_layers  # every layer took the ops: two norms each and the final one
+    assert counting.calls == {"add_rms_norm": 2 * layers + 1, "rope_store_kv": layers, "silu_mul": layers,
+                              "decode_attention": layers}
+    plain, caches_b = _forward(model, dtype, native=False)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(with_ops.float(), plain.float(), atol=tol, rtol=tol)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b):
+        torch.testing.assert_close(ka.float(), kb.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(va.float(), vb.float(), atol=tol, rtol=tol)
