@@ -92,44 +92,92 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+// Ask for `n` elements from p on into the cache (L2: read within the next block's work).
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
+// A block's rows [count elements] as floats: fp32 read in place, bf16 widened once into `buf`
+// (then every query head of a KV group reads them without widening them again).
+inline const float* as_float(const float* p, int64_t, std::vector<float>&) { return p; }
+inline const float* as_float(const uint16_t* p, int64_t count, std::vector<float>& buf) {
+  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  float* out = buf.data();
+  int64_t i = 0;
+#ifdef PDSERVE_AVX2
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, load8(p + i));
+#endif
+  for (; i < count; ++i) out[i] = bf16_to_f32(p[i]);
+  return out;
+}
+
+// Per-thread scratch of attend_chunk.
+struct Scratch {
+  std::vector<float> qf, scores, rows;
+};
+
 // One work item: every head of one sequence over tokens [t0, t1) (whole blocks but the last), read
 // block by block through the table, so each token's K and V rows (all KV heads) are contiguous
 // reads. Leaves the chunk's softmax state per query head: max m, sum l of exp(s - m), and acc, the
 // exp-weighted sum of V rows.
 template <typename T>
 void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int64_t t0, int64_t t1,
-                  const Geometry& g, float scale, std::vector<float>& qf, std::vector<float>& scores,
-                  float* m_out, float* l_out, float* acc) {
+                  const Geometry& g, float scale, Scratch& sc, float* m_out, float* l_out, float* acc) {
   const int64_t H = g.heads, G = g.heads / g.kv_heads, D = g.head_dim, BS = g.block_size, TS = g.token_stride;
   const int64_t n = t1 - t0;
-  qf.resize(H * D);
-  scores.resize(H * n);
+  sc.qf.resize(H * D);
+  sc.scores.resize(H * n);
+  float* qf = sc.qf.data();
+  float* scores = sc.scores.data();
   for (int64_t x = 0; x < H * D; ++x) qf[x] = load(q + x) * scale;
   std::fill(acc, acc + H * D, 0.f);
 #ifdef PDSERVE_AVX2
   const bool simd = D % 8 == 0;
 #endif
-  // Pass 1: scores[h][t - t0] = q_h . k_t (query head h reads KV head h / G).
+  // Pass 1: scores[h][t - t0] = q_h . k_t (query head h reads KV head h / G). The blocks are
+  // scattered over the pool and out of cache after a layer's GEMMs; the hardware prefetcher does
+  // not know the next one, so each block asks for the next block's K and its own V (pass 2).
+  const int64_t last_block = (t1 - 1) / BS;
   for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
     const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS);
-    const T* kb = k + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS;
+    const T* kraw = k + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS;
+    if (b0 / BS < last_block) prefetch_rows(k + static_cast<int64_t>(table[b0 / BS + 1]) * g.block_stride, BS * TS);
+    prefetch_rows(v + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS, (b1 - b0) * TS);
+    const float* kb = as_float(kraw, (b1 - b0) * TS, sc.rows);
     int64_t i = 0;
 #ifdef PDSERVE_AVX2
     if (simd) {
+      // 8 tokens' dot products in flight: 8 independent FMA chains hide the FMA latency
+      for (; i + 8 <= b1 - b0; i += 8) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* r = kb + i * TS + (h / G) * D;
+          const float* qh = qf + h * D;
+          __m256 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh + d);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * TS + d), a[j]);
+          }
+          float* sh = scores + h * n + (b0 - t0) + i;
+          for (int j = 0; j < 8; ++j) sh[j] = hsum(a[j]);
+        }
+      }
       for (; i + 4 <= b1 - b0; i += 4) {
         for (int64_t h = 0; h < H; ++h) {
-          const T* r0 = kb + i * TS + (h / G) * D;
-          const T *r1 = r0 + TS, *r2 = r1 + TS, *r3 = r2 + TS;
-          const float* qh = qf.data() + h * D;
+          const float* r0 = kb + i * TS + (h / G) * D;
+          const float *r1 = r0 + TS, *r2 = r1 + TS, *r3 = r2 + TS;
+          const float* qh = qf + h * D;
           __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
           for (int64_t d = 0; d < D; d += 8) {
             const __m256 qv = _mm256_loadu_ps(qh + d);
-            a0 = _mm256_fmadd_ps(qv, load8(r0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, load8(r1 + d), a1);
-            a2 = _mm256_fmadd_ps(qv, load8(r2 + d), a2);
-            a3 = _mm256_fmadd_ps(qv, load8(r3 + d), a3);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r3 + d), a3);
           }
-          float* sh = scores.data() + h * n + (b0 - t0) + i;
+          float* sh = scores + h * n + (b0 - t0) + i;
           sh[0] = hsum(a0);
           sh[1] = hsum(a1);
           sh[2] = hsum(a2);
@@ -140,16 +188,16 @@ void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int6
 #endif
     for (; i < b1 - b0; ++i) {
       for (int64_t h = 0; h < H; ++h) {
-        const T* kr = kb + i * TS + (h / G) * D;
+        const float* kr = kb + i * TS + (h / G) * D;
         float a = 0.f;
-        for (int64_t d = 0; d < D; ++d) a += qf[h * D + d] * load(kr + d);
+        for (int64_t d = 0; d < D; ++d) a += qf[h * D + d] * kr[d];
         scores[h * n + (b0 - t0) + i] = a;
       }
     }
   }
   // Softmax state of the chunk, per head; scores become exp(s - m).
   for (int64_t h = 0; h < H; ++h) {
-    float* sh = scores.data() + h * n;
+    float* sh = scores + h * n;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
     float sum = 0.f;
@@ -171,30 +219,61 @@ void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int6
     m_out[h] = m;
     l_out[h] = sum;
   }
-  // Pass 2: acc_h = sum over tokens of exp(s - m) v_t.
+  // Pass 2: acc_h = sum over tokens of exp(s - m) v_t; per head and 32 columns of it, the sums stay
+  // in registers over a block's tokens.
   for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
-    const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS);
-    const T* vb = v + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS;
-    for (int64_t i = 0; i < b1 - b0; ++i) {
-      const int64_t col = (b0 - t0) + i;
-      for (int64_t kh = 0; kh < g.kv_heads; ++kh) {
-        const T* vr = vb + i * TS + kh * D;
+    const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS), nb = b1 - b0;
+    const float* vb = as_float(v + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS,
+                               nb * TS, sc.rows);
 #ifdef PDSERVE_AVX2
-        if (simd) {
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 vv = load8(vr + d);
-            for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-              float* ah = acc + h * D + d;
-              _mm256_storeu_ps(ah, _mm256_fmadd_ps(_mm256_set1_ps(scores[h * n + col]), vv, _mm256_loadu_ps(ah)));
-            }
+    if (D % 64 == 0) {  // 8 columns' sums in flight
+      for (int64_t h = 0; h < H; ++h) {
+        const float* sh = scores + h * n + (b0 - t0);
+        for (int64_t d = 0; d < D; d += 64) {
+          float* ah = acc + h * D + d;
+          __m256 a[8];
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(ah + 8 * j);
+          const float* vr = vb + (h / G) * D + d;
+          for (int64_t i = 0; i < nb; ++i, vr += TS) {
+            const __m256 p = _mm256_broadcast_ss(sh + i);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), a[j]);
           }
-          continue;
+          for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ah + 8 * j, a[j]);
         }
+      }
+      continue;
+    }
+    if (D % 32 == 0) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* sh = scores + h * n + (b0 - t0);
+        for (int64_t d = 0; d < D; d += 32) {
+          float* ah = acc + h * D + d;
+          __m256 a0 = _mm256_loadu_ps(ah), a1 = _mm256_loadu_ps(ah + 8), a2 = _mm256_loadu_ps(ah + 16),
+                 a3 = _mm256_loadu_ps(ah + 24);
+          const float* vr = vb + (h / G) * D + d;
+          for (int64_t i = 0; i < nb; ++i, vr += TS) {
+            const __m256 p = _mm256_broadcast_ss(sh + i);
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), a0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), a2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), a3);
+          }
+          _mm256_storeu_ps(ah, a0);
+          _mm256_storeu_ps(ah + 8, a1);
+          _mm256_storeu_ps(ah + 16, a2);
+          _mm256_storeu_ps(ah + 24, a3);
+        }
+      }
+      continue;
+    }
 #endif
-        for (int64_t h = kh * G; h < (kh + 1) * G; ++h) {
-          const float p = scores[h * n + col];
-          for (int64_t d = 0; d < D; ++d) acc[h * D + d] += p * load(vr + d);
-        }
+    for (int64_t i = 0; i < nb; ++i) {
+      const int64_t col = (b0 - t0) + i;
+      for (int64_t h = 0; h < H; ++h) {
+        const float p = scores[h * n + col];
+        const float* vr = vb + i * TS + (h / G) * D;
+        float* ah = acc + h * D;
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
       }
     }
   }
@@ -230,11 +309,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     for (int64_t it = first[x]; it < first[x + 1]; ++it) owner[it] = x;
   std::vector<float> m(num_items * H), l(num_items * H), acc(num_items * H * D);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores;
+    Scratch scratch;
     for (int64_t it = begin; it < end; ++it) {
       const int64_t x = owner[it], s = sp[x], t0 = (it - first[x]) * chunk;
       const int64_t t1 = std::min<int64_t>(lp[s], t0 + chunk);
-      attend_chunk<T>(qp + rp[x] * q_row, kp, vp, tp + s * g.max_blocks, t0, t1, g, scale, qf, scores,
+      attend_chunk<T>(qp + rp[x] * q_row, kp, vp, tp + s * g.max_blocks, t0, t1, g, scale, scratch,
                       m.data() + it * H, l.data() + it * H, acc.data() + it * H * D);
     }
   });

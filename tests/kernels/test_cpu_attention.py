@@ -222,10 +222,12 @@ def test_the_decode_kernel_builds_on_this_machine():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (8, 8, 128, 8), (8, 1, 64, 16), (6, 2, 12, 4), (4, 2, 8, 16)])
+                         [(9, 3, 64, 16), (8, 8, 128, 8), (8, 1, 64, 16), (6, 2, 12, 4), (4, 2, 8, 16),
+                          (4, 2, 96, 8)])
 def test_the_decode_kernel_against_the_naive_attention(dtype, num_heads, num_kv_heads, head_dim, block_size):
-    # Lengths around the 4-token blocking of the AVX2 loop and the block size; head_dim 12 takes the
-    # portable loops. Rows out of order (a prefill first), -1 padded tables, scattered blocks.
+    # Lengths around the 8- and 4-token blocking of the AVX2 loops and the block size; head_dims
+    # 64 and 128 take pass 2's 64-column loop, 96 its 32-column loop, 8 the portable pass 2, 12 the
+    # portable loops throughout. Rows out of order (a prefill first), -1 padded tables, scattered blocks.
     kernel = cpu_native.load()
     rng = random.Random(num_heads * head_dim)
     seq_lens = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 130, 301]
