@@ -352,6 +352,30 @@ inline float round_as(float x, uint16_t*) { return bf16_to_f32(f32_to_bf16(x)); 
 template <typename T>
 inline float rnd(float x) { return round_as(x, static_cast<T*>(nullptr)); }
 
+#ifdef PDSERVE_AVX2
+// 8 floats rounded to bf16 (nearest even, NaN kept quiet, as f32_to_bf16), still as floats
+inline __m256 rnd8_bf16(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256i nan = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+  const __m256i pick = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_blendv_epi8(rounded, nan, pick), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline __m256 rnd8(__m256 x, float*) { return x; }
+inline __m256 rnd8(__m256 x, uint16_t*) { return rnd8_bf16(x); }
+template <typename T>
+inline __m256 rnd8(__m256 x) { return rnd8(x, static_cast<T*>(nullptr)); }
+// store 8 floats that are already values of the destination type (rnd8 first for bf16)
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(uint16_t* p, __m256 x) {
+  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
+
 // rows of at least ~16K elements per thread: a decode batch's row runs on one thread
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
 
@@ -381,9 +405,17 @@ void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows,
     std::vector<float> x(width);
     for (int64_t t = begin; t < end; ++t) {
       R* r = res + t * res_stride;
+      int64_t i0 = 0;
       if (delta != nullptr) {
         const D* d = delta + t * delta_stride;
-        for (int64_t i = 0; i < width; ++i) {
+#ifdef PDSERVE_AVX2
+        for (; i0 + 8 <= width; i0 += 8) {
+          const __m256 v = rnd8<R>(_mm256_add_ps(load8(r + i0), rnd8<R>(load8(d + i0))));
+          store8(r + i0, v);
+          _mm256_storeu_ps(x.data() + i0, v);
+        }
+#endif
+        for (int64_t i = i0; i < width; ++i) {
           const float v = rnd<R>(load(r + i) + rnd<R>(load(d + i)));
           store(r + i, v);
           x[i] = v;
@@ -393,7 +425,13 @@ void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows,
       }
       const float scale = 1.f / std::sqrt(sum_squares(x.data(), width) / static_cast<float>(width) + eps);
       O* o = out + t * width;
-      for (int64_t i = 0; i < width; ++i) store(o + i, rnd<O>(load(w + i) * rnd<O>(x[i] * scale)));
+      int64_t i = 0;
+#ifdef PDSERVE_AVX2
+      const __m256 sv = _mm256_set1_ps(scale);
+      for (; i + 8 <= width; i += 8)
+        store8(o + i, rnd8<O>(_mm256_mul_ps(load8(w + i), rnd8<O>(_mm256_mul_ps(_mm256_loadu_ps(x.data() + i), sv)))));
+#endif
+      for (; i < width; ++i) store(o + i, rnd<O>(load(w + i) * rnd<O>(x[i] * scale)));
     }
   });
 }
@@ -423,6 +461,18 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
         C* dst = h < heads ? q_out + (t * heads + h) * dim
                            : (slot < 0 ? nullptr : k_cache + slot * slot_stride + (h - heads) * dim);
         if (dst == nullptr) continue;
+#ifdef PDSERVE_AVX2
+        if (half % 8 == 0) {
+          for (int64_t i = 0; i < half; i += 8) {
+            const __m256 lo = rnd8<C>(load8(src + i)), hi = rnd8<C>(load8(src + half + i));
+            store8(dst + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(lo, load8(c + i))),
+                                                  rnd8<C>(_mm256_mul_ps(hi, load8(s + i))))));
+            store8(dst + half + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(hi, load8(c + half + i))),
+                                                         rnd8<C>(_mm256_mul_ps(lo, load8(s + half + i))))));
+          }
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < dim; ++i) x[i] = rnd<C>(load(src + i));
         for (int64_t i = 0; i < dim; ++i) {
           const float rolled = x[i < half ? i + half : i - half];
@@ -433,7 +483,11 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
       for (int64_t h = 0; h < kv_heads; ++h) {
         const F* src = row + (heads + kv_heads + h) * dim;
         C* dst = v_cache + slot * slot_stride + h * dim;
-        for (int64_t i = 0; i < dim; ++i) store(dst + i, load(src + i));
+        int64_t i = 0;
+#ifdef PDSERVE_AVX2
+        for (; i + 8 <= dim; i += 8) store8(dst + i, rnd8<C>(load8(src + i)));
+#endif
+        for (; i < dim; ++i) store(dst + i, load(src + i));
       }
     }
   });
@@ -448,13 +502,17 @@ void silu_mul_impl(const T* gate_up, int64_t stride, T* out, int64_t rows, int64
       const T* gr = gate_up + t * stride;
       const T* up = gr + width;
       T* o = out + t * width;
-      for (int64_t i = 0; i < width; ++i) g[i] = -load(gr + i);
-      int64_t i = 0;
+      int64_t i0 = 0;
 #ifdef PDSERVE_AVX2
-      for (; i + 8 <= width; i += 8) _mm256_storeu_ps(g.data() + i, exp8(_mm256_loadu_ps(g.data() + i)));
+      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+      for (; i0 + 8 <= width; i0 += 8) {
+        const __m256 x = load8(gr + i0);
+        const __m256 e = exp8(_mm256_xor_ps(x, sign));
+        store8(o + i0, rnd8<T>(_mm256_mul_ps(rnd8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e))), load8(up + i0))));
+      }
 #endif
-      for (; i < width; ++i) g[i] = std::exp(g[i]);
-      for (int64_t j = 0; j < width; ++j) {
+      for (int64_t i = i0; i < width; ++i) g[i] = std::exp(-load(gr + i));
+      for (int64_t j = i0; j < width; ++j) {
         const float x = load(gr + j);
         store(o + j, rnd<T>(rnd<T>(x / (1.f + g[j])) * load(up + j)));
       }
