@@ -12,11 +12,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: a loose `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml pdserve/kernels/cpu_decode.cpp | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0 triton==3.6.0
 	$(PIP) install -q -e '.[test]'
-	@# The CPU decode kernel, built once here (~45 s) so that no engine waits for it; without a
+	@# The CPU decode kernel, built once here (~75 s) so that no engine waits for it; without a
 	@# C++ compiler the engine uses the torch path (kernels/cpu_native.py).
 	$(PY) -c "from pdserve.kernels import cpu_native; cpu_native.build()" || echo "CPU decode kernel not built: the torch path serves"
 	touch $(STAMP)

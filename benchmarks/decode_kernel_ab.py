@@ -1,6 +1,8 @@
-"""The engine's decode step with the compiled CPU decode kernel (kernels/cpu_decode.cpp) against the
-torch path it replaces (gather + SDPA), in one process: the same engine and requests, the two
-taking turns step by step (PDSERVE_CPU_NATIVE switched between steps), medians per batch size.
+"""The engine's decode step with the compiled CPU ops (kernels/cpu_decode.cpp: the decode attention
+kernel and the fused residual add + RMSNorm, RoPE + K/V store and SiLU x up) against the torch code
+they replace (gather + SDPA, the torch elementwise ops), in one process: the same engine and
+requests, the two taking turns step by step (PDSERVE_CPU_NATIVE switched between steps), medians
+per batch size. "kernel" is the compiled ops, "torch" the torch code.
 
     python -m benchmarks.decode_kernel_ab --dtype bfloat16 --batch-sizes 1,16 --num-threads 2 --steps 12
 """
