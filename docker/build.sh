@@ -81,7 +81,9 @@ fi
 
 # --- 3. the images --------------------------------------------------------------------------------
 say "building $IMAGE"
-docker build -q -f docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
+# --network host: the build stage's apt-get (the compiler for the CPU's compiled ops) reaches
+# Debian's archive through the host's network; pip stays on the wheelhouse (--no-index).
+docker build -q --network host -f docker/Dockerfile --build-arg "BASE_IMAGE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
 say "building $PROMETHEUS_IMAGE"
 # apt-get inside the build reaches Debian's archive through the host's network.
 docker build -q --network host -f docker/Dockerfile.prometheus --build-arg "BASE_IMAGE=$BASE_IMAGE" \

@@ -15,6 +15,7 @@ afresh, never loads a stale library. A first build takes ~75 s on 2 cores.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the torch path)
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_NAME = "pdserve_cpu_decode"
+_LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" once loaded, "error" once a build failed
 
@@ -48,15 +51,30 @@ def _cpu_flags() -> list[str]:
 def _build_dir() -> tuple[Path, list[str]]:
     """<root>/cpu_decode/<hash>: root is the Python environment's own var/pdserve (the venv that
     `make install` filled: a build belongs to its environment, whatever PDSERVE_CACHE_DIR a
-    process sets), else pdserve's cache directory when the environment is read-only."""
+    process sets), else pdserve's cache directory when the environment is read-only and holds no
+    build of this hash (a container's venv holds the one its image built: docker/Dockerfile)."""
     from pdserve.engine.loader import cache_dir  # here: pdserve.engine imports this package
 
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()]
     tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
     root = Path(sys.prefix) / "var" / "pdserve"
-    if not os.access(root if root.exists() else Path(sys.prefix), os.W_OK):
+    if not (root / "cpu_decode" / tag / _LIBRARY).exists() \
+            and not os.access(root if root.exists() else Path(sys.prefix), os.W_OK):
         root = cache_dir()
     return root / "cpu_decode" / tag, flags
+
+
+def _import_built(path: Path):
+    """The built library imported as it is: no compiler, no ninja, no lock file (a read-only
+    directory serves); None if it does not import (then the builder builds it again)."""
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        logger.info("CPU decode kernel at %s does not import (%s): building it again", path, e)
+        return None
+    return module
 
 
 def build():
@@ -64,14 +82,19 @@ def build():
     from torch.utils.cpp_extension import load as load_extension
 
     directory, flags = _build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    if (directory / _LIBRARY).exists():
+        module = _import_built(directory / _LIBRARY)
+        if module is not None:
+            logger.info("CPU decode kernel loaded in %.1f s (%s)", time.perf_counter() - start, directory)
+            return module
+    directory.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PATH", "")
     bin_dir = str(Path(sys.executable).parent)  # ninja installed into this environment
     if bin_dir not in os.environ["PATH"].split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
     module = load_extension(
-        "pdserve_cpu_decode", [str(_SOURCE)], extra_cflags=flags,
+        _NAME, [str(_SOURCE)], extra_cflags=flags,
         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
     )
     logger.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - start, directory)

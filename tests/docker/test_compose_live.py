@@ -3,7 +3,8 @@
 driven through the published router port the way a user would:
 
 1. `up --scale prefill=2 --scale decode=2` becomes healthy; streamed completions and chat equal
-   transformers' greedy output; KV moves over the shared tmpfs (path="shm").
+   transformers' greedy output; KV moves over the shared tmpfs (path="shm"); every node loaded the
+   CPU's compiled ops that the image built.
 2. Live scaling under 16 streams: each pool grows to 3 (the new replica registers and serves) and
    shrinks to 1 (the removed replicas drain); not one request fails or differs.
 3. `docker kill` of a decode container mid-stream: every stream completes exactly. A node process
@@ -166,6 +167,12 @@ def test_up_serves_exactly_like_transformers_over_shared_memory(stack, reference
     assert_serves_exactly(stack, reference, range(len(TEXTS)))
     paths = kv_paths(stack)
     assert paths["shm"] >= len(TEXTS) + 1 and paths["zmq"] == 0, paths
+    # the image's build stage built the CPU's compiled ops for this machine: every node loaded them
+    # from the (read-only) venv, none fell back to the torch code
+    for service in ("prefill", "decode"):
+        for container in stack.containers(service):
+            logs = stack.logs(container)
+            assert "CPU decode kernel loaded" in logs and "kernel unavailable" not in logs, (container, logs[-2000:])
 
 
 # --- 2 ---------------------------------------------------------------------------------------------
