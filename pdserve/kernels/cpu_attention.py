@@ -27,8 +27,6 @@ import torch
 # Called through the module (reference._x), so what patches the reference patches this backend too.
 from pdserve.kernels import cpu_native, reference
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
 
 @dataclass(frozen=True)
 class _DecodeChunk:
@@ -92,7 +90,7 @@ def paged_attention(
     # Rows past the last request are padding (e.g. for CUDA graphs): give them defined values.
     if plan.layout.q_starts[-1] < out.shape[0]:
         out[plan.layout.q_starts[-1] :].zero_()
-    native = cpu_native.load() if plan.native_decode is not None and q.dtype in _NATIVE_DTYPES else None
+    native = cpu_native.load() if plan.native_decode is not None and q.dtype in cpu_native.DTYPES else None
     if native is not None and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.stride(-1) == 1 \
             and out.stride(-2) == out.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous():
         seqs, rows = plan.native_decode

@@ -31,6 +31,7 @@ NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the to
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 _NAME = "pdserve_cpu_decode"
 _LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
+DTYPES = (torch.float32, torch.bfloat16)  # what the compiled ops take
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" once loaded, "error" once a build failed
 

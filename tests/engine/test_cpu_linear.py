@@ -7,7 +7,12 @@ from torch import nn
 
 from pdserve.engine.models.cpu_bf16 import Bf16ViaFp32Linear
 from pdserve.engine.parallel import layers
-from pdserve.engine.parallel.layers import PACK_MIN_WEIGHTS, ColumnParallelLinear, RowParallelLinear, pack_cpu_linears
+from pdserve.engine.parallel.layers import (
+    PACK_MIN_WEIGHTS,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    pack_cpu_linears,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

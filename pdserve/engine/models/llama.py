@@ -39,9 +39,6 @@ from pdserve.engine.parallel.state import tp_rank, tp_size
 from pdserve.kernels import cpu_native, paged_attention, store_kv
 
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the compiled CPU ops take
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -251,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.at(positions, x.dtype)  # the RoPE rows, once for every layer
-        native = cpu_native.load() if x.device.type == "cpu" and x.dtype in _NATIVE_DTYPES else None
+        native = cpu_native.load() if x.device.type == "cpu" and x.dtype in cpu_native.DTYPES else None
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, meta, kv_cache, rotary, native)

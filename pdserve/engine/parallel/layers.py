@@ -106,7 +106,7 @@ class ParallelLMHead(nn.Linear):
 PACK_BATCH_HINT = 16  # the rows oneDNN tunes the reordered layout for; any number of rows runs on it
 # oneDNN's fixed cost per call (~25-30 us on 2 threads) pays off from about 128K weights: on an AVX2
 # EPYC, 30 distinct weights called in turn (as a step does), 256 x 256 tied with F.linear at 1 and
-# 16 rows, 384 x 384 took 0.84-0.89x, 64 x 192 took 1.6-4x; the tiny test models stay on F.linear
+# 16 rows, 384 x 384 took 0.84-0.89x, 64 x 192 took 1.6-4.3x; the tiny test models stay on F.linear
 PACK_MIN_WEIGHTS = 1 << 17
 
 
@@ -117,8 +117,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     the copy reordered once (inductor's freezing path does the same). Measured on an AVX2 EPYC, 2
     threads, the default model's shapes, 30 weights in turn: 0.51-0.83x of F.linear's time at 2-16
     rows; at 512 rows 0.62x on gate_up, 0.92x on qkv, tied on o and down; at one row 0.64-0.92x
-    except down_proj (1.14-1.49x; a layer's four GEMVs together 0.78-0.88x). Both are fp32 GEMMs with fp32 sums;
-    only the summation order differs. `weight` may be None where `packed` is set."""
+    except down_proj (1.14-1.49x; a layer's four GEMVs together 0.78-0.88x). Both are fp32 GEMMs
+    with fp32 sums; only the summation order differs. `weight` may be None where `packed` is set."""
     if packed is None or x.numel() == 0:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
