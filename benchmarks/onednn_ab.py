@@ -29,24 +29,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.parallel.layers import PACK_BATCH_HINT
 
     max_len = args.context_len + 3 * args.steps + 40
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=args.batch,
               skip_tokenizer_init=True, max_model_len=max_len, num_kv_blocks=args.batch * (max_len // 16 + 2))
     engine = llm.engine
     layers = [m for m in engine.runner.model.modules() if hasattr(m, "packed")]
-    # the fp32 weights (a bf16 model's packed layers keep none: rebuilt from their bf16 weights)
-    fp32 = [m.weight if not hasattr(m, "weight16") else m.weight16.float() if m.weight32 is None else m.weight32
-            for m in layers]
-    for layer, w in zip(layers, fp32):
-        if hasattr(layer, "weight32"):
-            layer.weight32 = w  # F.linear reads it in the variants without a copy
+    fp32 = []  # every layer's fp32 weight, which F.linear reads in the variants without a copy
+    for layer in layers:
+        if hasattr(layer, "weight16"):  # bf16 via fp32 (models/cpu_bf16.py); a packed one keeps none
+            if layer.weight32 is None:
+                layer.weight32 = layer.weight16.float()
+            fp32.append(layer.weight32)
+        else:
+            fp32.append(layer.weight)
 
     def pack(w: torch.Tensor, wide_only: bool):
         out_features, in_features = w.shape
         if w.dtype != torch.float32 or (wide_only and (out_features < 2 * in_features or w.numel() < 1 << 20)):
             return None
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 16)
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_BATCH_HINT)
+
     variants = {
         "none": [None] * len(layers),
         "wide": [pack(w, True) for w in fp32],

@@ -41,7 +41,9 @@ class _DecodeChunk:
 class _Plan:
     layout: reference._HostLayout
     decode_ids: list[int]  # requests with one query token
-    native_decode: tuple[torch.Tensor, torch.Tensor] | None  # (sequences, their q rows) [n] int64, for the kernel
+    # (the compiled module, contiguous block tables, sequences and their q rows [n] int64) when the
+    # kernel serves this step's decodes: resolved once per step, not once per layer
+    native_decode: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] | None
     short: dict[int, list[int]]  # q_len -> requests: verifications batched per length
     prefill_ids: list[int]  # the rest of q_len > 1, one SDPA call each
     metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (seq_lens, block_tables, k_cache), for the chunks
@@ -90,11 +92,11 @@ def paged_attention(
     # Rows past the last request are padding (e.g. for CUDA graphs): give them defined values.
     if plan.layout.q_starts[-1] < out.shape[0]:
         out[plan.layout.q_starts[-1] :].zero_()
-    native = cpu_native.load() if plan.native_decode is not None and q.dtype in cpu_native.DTYPES else None
-    if native is not None and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and out.stride(-1) == 1 \
-            and out.stride(-2) == out.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous():
-        seqs, rows = plan.native_decode
-        native.decode_attention(q, k_cache, v_cache, block_tables.contiguous(), seq_lens, seqs, rows, out, scale)
+    if plan.native_decode is not None and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] \
+            and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1] and k_cache.is_contiguous() \
+            and v_cache.is_contiguous():
+        native, tables, seqs, rows = plan.native_decode
+        native.decode_attention(q, k_cache, v_cache, tables, seq_lens, seqs, rows, out, scale)
     else:
         for chunk in plan.decode_chunks:
             _attend_decode_chunk(q, k_cache, v_cache, chunk, scale, out)
@@ -126,8 +128,11 @@ def _build_plan(
         elif q_len > 1:
             prefill_ids.append(s)
     native = None
-    if decode_ids and block_tables.device.type == "cpu":
-        native = (torch.tensor(decode_ids, dtype=torch.int64), torch.tensor([layout.q_starts[s] for s in decode_ids]))
+    if decode_ids and k_cache.device.type == "cpu" and k_cache.dtype in cpu_native.DTYPES:
+        module = cpu_native.load()  # q has the cache's dtype (dispatch checks it)
+        if module is not None:
+            native = (module, block_tables.contiguous(), torch.tensor(decode_ids, dtype=torch.int64),
+                      torch.tensor([layout.q_starts[s] for s in decode_ids]))
     return _Plan(layout, decode_ids, native, short, prefill_ids, (seq_lens, block_tables, k_cache))
 
 

@@ -118,6 +118,46 @@ struct Scratch {
   std::vector<float> qf, scores, rows;
 };
 
+#ifdef PDSERVE_AVX2
+// scores[h * n + j] = q_h . k_j for N consecutive token rows k_j (TS apart, query head h reading
+// KV head h / G): N independent FMA chains in flight hide the FMA latency.
+template <int N>
+inline void dot_tokens(const float* k, const float* qf, float* scores, int64_t n, int64_t H, int64_t G,
+                       int64_t D, int64_t TS) {
+  for (int64_t h = 0; h < H; ++h) {
+    const float* r = k + (h / G) * D;
+    const float* qh = qf + h * D;
+    __m256 a[N];
+    for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(qh + d);
+      for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * TS + d), a[j]);
+    }
+    for (int j = 0; j < N; ++j) scores[h * n + j] = hsum(a[j]);
+  }
+}
+
+// acc_h += sum over nb token rows v_i (TS apart) of p_h[i] v_i, 8 C columns of a head at a time,
+// their sums in registers over the rows (C independent FMA chains); D a multiple of 8 C.
+template <int C>
+inline void weigh_rows(const float* v, const float* p, float* acc, int64_t nb, int64_t n, int64_t H, int64_t G,
+                       int64_t D, int64_t TS) {
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t d = 0; d < D; d += 8 * C) {
+      float* ah = acc + h * D + d;
+      __m256 a[C];
+      for (int j = 0; j < C; ++j) a[j] = _mm256_loadu_ps(ah + 8 * j);
+      const float* vr = v + (h / G) * D + d;
+      for (int64_t i = 0; i < nb; ++i, vr += TS) {
+        const __m256 w = _mm256_broadcast_ss(p + h * n + i);
+        for (int j = 0; j < C; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), a[j]);
+      }
+      for (int j = 0; j < C; ++j) _mm256_storeu_ps(ah + 8 * j, a[j]);
+    }
+  }
+}
+#endif
+
 // One work item: every head of one sequence over tokens [t0, t1) (whole blocks but the last), read
 // block by block through the table, so each token's K and V rows (all KV heads) are contiguous
 // reads. Leaves the chunk's softmax state per query head: max m, sum l of exp(s - m), and acc, the
@@ -133,65 +173,32 @@ void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int6
   float* scores = sc.scores.data();
   for (int64_t x = 0; x < H * D; ++x) qf[x] = load(q + x) * scale;
   std::fill(acc, acc + H * D, 0.f);
-#ifdef PDSERVE_AVX2
-  const bool simd = D % 8 == 0;
-#endif
+  // token t's row (every KV head) in a cache, through the block table
+  const auto row = [&](const T* cache, int64_t t) {
+    return cache + static_cast<int64_t>(table[t / BS]) * g.block_stride + (t % BS) * TS;
+  };
   // Pass 1: scores[h][t - t0] = q_h . k_t (query head h reads KV head h / G). The blocks are
   // scattered over the pool and out of cache after a layer's GEMMs; the hardware prefetcher does
   // not know the next one, so each block asks for the next block's K and its own V (pass 2).
-  const int64_t last_block = (t1 - 1) / BS;
   for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
-    const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS);
-    const T* kraw = k + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS;
-    if (b0 / BS < last_block) prefetch_rows(k + static_cast<int64_t>(table[b0 / BS + 1]) * g.block_stride, BS * TS);
-    prefetch_rows(v + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS, (b1 - b0) * TS);
-    const float* kb = as_float(kraw, (b1 - b0) * TS, sc.rows);
+    const int64_t nb = std::min(t1, (b0 / BS + 1) * BS) - b0;
+    if (b0 + nb < t1) prefetch_rows(row(k, b0 + nb), BS * TS);
+    prefetch_rows(row(v, b0), nb * TS);
+    const float* kb = as_float(row(k, b0), nb * TS, sc.rows);
+    float* sb = scores + (b0 - t0);
     int64_t i = 0;
 #ifdef PDSERVE_AVX2
-    if (simd) {
-      // 8 tokens' dot products in flight: 8 independent FMA chains hide the FMA latency
-      for (; i + 8 <= b1 - b0; i += 8) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* r = kb + i * TS + (h / G) * D;
-          const float* qh = qf + h * D;
-          __m256 a[8];
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qh + d);
-            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * TS + d), a[j]);
-          }
-          float* sh = scores + h * n + (b0 - t0) + i;
-          for (int j = 0; j < 8; ++j) sh[j] = hsum(a[j]);
-        }
-      }
-      for (; i + 4 <= b1 - b0; i += 4) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* r0 = kb + i * TS + (h / G) * D;
-          const float *r1 = r0 + TS, *r2 = r1 + TS, *r3 = r2 + TS;
-          const float* qh = qf + h * D;
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int64_t d = 0; d < D; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qh + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r1 + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r2 + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r3 + d), a3);
-          }
-          float* sh = scores + h * n + (b0 - t0) + i;
-          sh[0] = hsum(a0);
-          sh[1] = hsum(a1);
-          sh[2] = hsum(a2);
-          sh[3] = hsum(a3);
-        }
-      }
+    if (D % 8 == 0) {
+      for (; i + 8 <= nb; i += 8) dot_tokens<8>(kb + i * TS, qf, sb + i, n, H, G, D, TS);
+      for (; i + 4 <= nb; i += 4) dot_tokens<4>(kb + i * TS, qf, sb + i, n, H, G, D, TS);
     }
 #endif
-    for (; i < b1 - b0; ++i) {
+    for (; i < nb; ++i) {
       for (int64_t h = 0; h < H; ++h) {
         const float* kr = kb + i * TS + (h / G) * D;
         float a = 0.f;
         for (int64_t d = 0; d < D; ++d) a += qf[h * D + d] * kr[d];
-        scores[h * n + (b0 - t0) + i] = a;
+        sb[h * n + i] = a;
       }
     }
   }
@@ -219,58 +226,24 @@ void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int6
     m_out[h] = m;
     l_out[h] = sum;
   }
-  // Pass 2: acc_h = sum over tokens of exp(s - m) v_t; per head and 32 columns of it, the sums stay
-  // in registers over a block's tokens.
+  // Pass 2: acc_h = sum over tokens of exp(s - m) v_t, block by block.
   for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
-    const int64_t b1 = std::min(t1, (b0 / BS + 1) * BS), nb = b1 - b0;
-    const float* vb = as_float(v + static_cast<int64_t>(table[b0 / BS]) * g.block_stride + (b0 % BS) * TS,
-                               nb * TS, sc.rows);
+    const int64_t nb = std::min(t1, (b0 / BS + 1) * BS) - b0;
+    const float* vb = as_float(row(v, b0), nb * TS, sc.rows);
+    const float* pb = scores + (b0 - t0);
 #ifdef PDSERVE_AVX2
-    if (D % 64 == 0) {  // 8 columns' sums in flight
-      for (int64_t h = 0; h < H; ++h) {
-        const float* sh = scores + h * n + (b0 - t0);
-        for (int64_t d = 0; d < D; d += 64) {
-          float* ah = acc + h * D + d;
-          __m256 a[8];
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(ah + 8 * j);
-          const float* vr = vb + (h / G) * D + d;
-          for (int64_t i = 0; i < nb; ++i, vr += TS) {
-            const __m256 p = _mm256_broadcast_ss(sh + i);
-            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * j), a[j]);
-          }
-          for (int j = 0; j < 8; ++j) _mm256_storeu_ps(ah + 8 * j, a[j]);
-        }
-      }
+    if (D % 64 == 0) {
+      weigh_rows<8>(vb, pb, acc, nb, n, H, G, D, TS);
       continue;
     }
     if (D % 32 == 0) {
-      for (int64_t h = 0; h < H; ++h) {
-        const float* sh = scores + h * n + (b0 - t0);
-        for (int64_t d = 0; d < D; d += 32) {
-          float* ah = acc + h * D + d;
-          __m256 a0 = _mm256_loadu_ps(ah), a1 = _mm256_loadu_ps(ah + 8), a2 = _mm256_loadu_ps(ah + 16),
-                 a3 = _mm256_loadu_ps(ah + 24);
-          const float* vr = vb + (h / G) * D + d;
-          for (int64_t i = 0; i < nb; ++i, vr += TS) {
-            const __m256 p = _mm256_broadcast_ss(sh + i);
-            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr), a0);
-            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8), a1);
-            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 16), a2);
-            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 24), a3);
-          }
-          _mm256_storeu_ps(ah, a0);
-          _mm256_storeu_ps(ah + 8, a1);
-          _mm256_storeu_ps(ah + 16, a2);
-          _mm256_storeu_ps(ah + 24, a3);
-        }
-      }
+      weigh_rows<4>(vb, pb, acc, nb, n, H, G, D, TS);
       continue;
     }
 #endif
     for (int64_t i = 0; i < nb; ++i) {
-      const int64_t col = (b0 - t0) + i;
       for (int64_t h = 0; h < H; ++h) {
-        const float p = scores[h * n + col];
+        const float p = pb[h * n + i];
         const float* vr = vb + i * TS + (h / G) * D;
         float* ah = acc + h * D;
         for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
@@ -450,7 +423,6 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
                      int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, row_grain((heads + 2 * kv_heads) * dim), [&](int64_t begin, int64_t end) {
-    std::vector<float> x(dim);
     for (int64_t t = begin; t < end; ++t) {
       const F* row = qkv + t * qkv_stride;
       const C* c = cos + t * rope_stride;
@@ -461,22 +433,21 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
         C* dst = h < heads ? q_out + (t * heads + h) * dim
                            : (slot < 0 ? nullptr : k_cache + slot * slot_stride + (h - heads) * dim);
         if (dst == nullptr) continue;
+        // pairs (x_i, x_{i + half}): roll(x)_i = x_{i + half}, roll(x)_{i + half} = x_i
+        int64_t i = 0;
 #ifdef PDSERVE_AVX2
-        if (half % 8 == 0) {
-          for (int64_t i = 0; i < half; i += 8) {
-            const __m256 lo = rnd8<C>(load8(src + i)), hi = rnd8<C>(load8(src + half + i));
-            store8(dst + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(lo, load8(c + i))),
-                                                  rnd8<C>(_mm256_mul_ps(hi, load8(s + i))))));
-            store8(dst + half + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(hi, load8(c + half + i))),
-                                                         rnd8<C>(_mm256_mul_ps(lo, load8(s + half + i))))));
-          }
-          continue;
+        for (; i + 8 <= half; i += 8) {
+          const __m256 lo = rnd8<C>(load8(src + i)), hi = rnd8<C>(load8(src + half + i));
+          store8(dst + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(lo, load8(c + i))),
+                                                rnd8<C>(_mm256_mul_ps(hi, load8(s + i))))));
+          store8(dst + half + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(hi, load8(c + half + i))),
+                                                       rnd8<C>(_mm256_mul_ps(lo, load8(s + half + i))))));
         }
 #endif
-        for (int64_t i = 0; i < dim; ++i) x[i] = rnd<C>(load(src + i));
-        for (int64_t i = 0; i < dim; ++i) {
-          const float rolled = x[i < half ? i + half : i - half];
-          store(dst + i, rnd<C>(rnd<C>(x[i] * load(c + i)) + rnd<C>(rolled * load(s + i))));
+        for (; i < half; ++i) {
+          const float lo = rnd<C>(load(src + i)), hi = rnd<C>(load(src + half + i));
+          store(dst + i, rnd<C>(rnd<C>(lo * load(c + i)) + rnd<C>(hi * load(s + i))));
+          store(dst + half + i, rnd<C>(rnd<C>(hi * load(c + half + i)) + rnd<C>(lo * load(s + half + i))));
         }
       }
       if (slot < 0) continue;
@@ -497,24 +468,22 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
 template <typename T>
 void silu_mul_impl(const T* gate_up, int64_t stride, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, row_grain(2 * width), [&](int64_t begin, int64_t end) {
-    std::vector<float> g(width);
     for (int64_t t = begin; t < end; ++t) {
       const T* gr = gate_up + t * stride;
       const T* up = gr + width;
       T* o = out + t * width;
-      int64_t i0 = 0;
+      int64_t i = 0;
 #ifdef PDSERVE_AVX2
       const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-      for (; i0 + 8 <= width; i0 += 8) {
-        const __m256 x = load8(gr + i0);
+      for (; i + 8 <= width; i += 8) {
+        const __m256 x = load8(gr + i);
         const __m256 e = exp8(_mm256_xor_ps(x, sign));
-        store8(o + i0, rnd8<T>(_mm256_mul_ps(rnd8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e))), load8(up + i0))));
+        store8(o + i, rnd8<T>(_mm256_mul_ps(rnd8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e))), load8(up + i))));
       }
 #endif
-      for (int64_t i = i0; i < width; ++i) g[i] = std::exp(-load(gr + i));
-      for (int64_t j = i0; j < width; ++j) {
-        const float x = load(gr + j);
-        store(o + j, rnd<T>(rnd<T>(x / (1.f + g[j])) * load(up + j)));
+      for (; i < width; ++i) {
+        const float x = load(gr + i);
+        store(o + i, rnd<T>(rnd<T>(x / (1.f + std::exp(-x))) * load(up + i)));
       }
     }
   });

@@ -48,7 +48,7 @@ def config(**overrides) -> ModelConfig:
 # ---- RoPE and the K/V store ---------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qkv_fp32", [False, True])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 12), (9, 3, 64), (4, 4, 8)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 12), (9, 3, 64), (4, 4, 8), (4, 2, 24)])
 def test_rope_store_kv_is_the_torch_code_bit_for_bit(ops, dtype, qkv_fp32, heads, kv_heads, dim):
     torch.manual_seed(heads * dim)
     cfg = config(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, hidden_size=heads * dim)
