@@ -3,15 +3,17 @@
 // One query token per sequence. Work item = a chunk of a sequence's tokens (whole blocks, sized for
 // ~4 items per thread, at most 512 tokens: flash-decoding, so one long sequence still uses every
 // thread), all heads at once, so each token's K and V rows (every KV head) are contiguous reads.
-// Two passes over the chunk: the scores q.k in fp32, then the exp(s - max)-weighted sum of V; bf16
-// K/V are widened in registers (bf16 is the top half of an fp32). The chunks of a sequence are
-// merged with their maxima (the usual log-sum-exp merge) and the output is rounded once to the
-// query's dtype. Items run on torch's intra-op threads (at::parallel_for): torch.set_num_threads
-// governs it.
+// One pass over the chunk's blocks (online softmax): the block's scores q.k in fp32, the running
+// max and sum updated, the block's V rows weighed in; the query heads sharing a KV head (GQA) are
+// worked on together, so each K and V vector is read and widened from bf16 (the top half of an
+// fp32) once. Each thread walks its blocks as one list and asks for the blocks ahead of it (the
+// table scatters them; a layer's GEMMs evicted them). The chunks of a sequence are merged with
+// their maxima (the usual log-sum-exp merge) and the output is rounded once to the query's dtype.
+// Items run on torch's intra-op threads (at::parallel_for): torch.set_num_threads governs it.
 //
 // Built by pdserve/kernels/cpu_native.py (torch.utils.cpp_extension, cached on disk). With AVX2
-// and FMA the inner loops use them (4 tokens' dot products in flight, 8 exps at a time; head_dim a
-// multiple of 8); any other CPU or head_dim takes the portable loops.
+// and FMA the inner loops use them (4 tokens x 3 heads of dot products in flight, 8 exps at a time;
+// head_dim a multiple of 8); any other CPU or head_dim takes the portable loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -92,161 +94,212 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// Ask for `n` elements from p on into the cache (L2: read within the next block's work).
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 2);
-}
-
-// A block's rows [count elements] as floats: fp32 read in place, bf16 widened once into `buf`
-// (then every query head of a KV group reads them without widening them again).
-inline const float* as_float(const float* p, int64_t, std::vector<float>&) { return p; }
-inline const float* as_float(const uint16_t* p, int64_t count, std::vector<float>& buf) {
-  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
-  float* out = buf.data();
-  int64_t i = 0;
 #ifdef PDSERVE_AVX2
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(out + i, load8(p + i));
-#endif
-  for (; i < count; ++i) out[i] = bf16_to_f32(p[i]);
-  return out;
+// Four 8-lane sums reduced to their four totals.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // per 128-bit half
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+#endif
 
-// Per-thread scratch of attend_chunk.
-struct Scratch {
-  std::vector<float> qf, scores, rows;
+// One block's K and V rows as a work item reads them (`rows` tokens).
+template <typename T>
+struct BlockRef {
+  const T* k;
+  const T* v;
+  int64_t rows;
+};
+
+// Blocks are scattered over the pool and out of cache after a layer's GEMMs, and the hardware
+// prefetcher cannot guess the next one: the block kAhead places further down a thread's list is
+// asked for while the current one is worked on, a few cache lines at a time (a burst of a whole
+// block's prefetches stalls the loads the work itself needs).
+constexpr int64_t kAhead = 4;
+struct Prefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0, off = 0, lines = 1;
+  template <typename T>
+  void start(const BlockRef<T>* block, int64_t token_stride, int64_t steps) {
+    if (block == nullptr) {
+      bytes = 0;
+      return;
+    }
+    k = reinterpret_cast<const char*>(block->k), v = reinterpret_cast<const char*>(block->v);
+    bytes = block->rows * token_stride * static_cast<int64_t>(sizeof(T)), off = 0;
+    lines = std::max<int64_t>(1, (bytes / 64 + steps - 1) / steps);
+  }
+  void step() {
+    for (int64_t i = 0; i < lines && off < bytes; ++i, off += 64) {
+      __builtin_prefetch(k + off, 0, 2);
+      __builtin_prefetch(v + off, 0, 2);
+    }
+  }
+  void rest() {
+    for (; off < bytes; off += 64) {
+      __builtin_prefetch(k + off, 0, 2);
+      __builtin_prefetch(v + off, 0, 2);
+    }
+  }
 };
 
 #ifdef PDSERVE_AVX2
-// scores[h * n + j] = q_h . k_j for N consecutive token rows k_j (TS apart, query head h reading
-// KV head h / G): N independent FMA chains in flight hide the FMA latency.
-template <int N>
-inline void dot_tokens(const float* k, const float* qf, float* scores, int64_t n, int64_t H, int64_t G,
-                       int64_t D, int64_t TS) {
-  for (int64_t h = 0; h < H; ++h) {
-    const float* r = k + (h / G) * D;
-    const float* qh = qf + h * D;
-    __m256 a[N];
-    for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
+// The NG (<= 3) query heads of one KV head at once, so each K or V vector is loaded (and widened
+// from bf16) once for all of them; q, s and acc point at the group's first head.
+//
+// s[g * BS + t] = q_g . k_t for the block's nb tokens (k_t at k + t * TS): 4 tokens x NG heads of
+// sums in registers (12 at most), one prefetch step every 4 tokens.
+template <int NG, typename T>
+inline void group_scores(const T* k, const float* q, float* s, int64_t nb, int64_t D, int64_t TS, int64_t BS,
+                         Prefetcher& pf) {
+  int64_t t = 0;
+  for (; t + 4 <= nb; t += 4) {
+    __m256 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(qh + d);
-      for (int j = 0; j < N; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + j * TS + d), a[j]);
+      __m256 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = load8(k + (t + j) * TS + d);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
+      }
     }
-    for (int j = 0; j < N; ++j) scores[h * n + j] = hsum(a[j]);
+    for (int g = 0; g < NG; ++g) _mm_storeu_ps(s + g * BS + t, hsum4(a[g][0], a[g][1], a[g][2], a[g][3]));
+    pf.step();
+  }
+  for (; t < nb; ++t) {
+    __m256 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 kv = load8(k + t * TS + d);
+      for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) s[g * BS + t] = hsum(a[g]);
   }
 }
 
-// acc_h += sum over nb token rows v_i (TS apart) of p_h[i] v_i, 8 C columns of a head at a time,
-// their sums in registers over the rows (C independent FMA chains); D a multiple of 8 C.
-template <int C>
-inline void weigh_rows(const float* v, const float* p, float* acc, int64_t nb, int64_t n, int64_t H, int64_t G,
-                       int64_t D, int64_t TS) {
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t d = 0; d < D; d += 8 * C) {
-      float* ah = acc + h * D + d;
-      __m256 a[C];
-      for (int j = 0; j < C; ++j) a[j] = _mm256_loadu_ps(ah + 8 * j);
-      const float* vr = v + (h / G) * D + d;
-      for (int64_t i = 0; i < nb; ++i, vr += TS) {
-        const __m256 w = _mm256_broadcast_ss(p + h * n + i);
-        for (int j = 0; j < C; ++j) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), a[j]);
-      }
-      for (int j = 0; j < C; ++j) _mm256_storeu_ps(ah + 8 * j, a[j]);
+// acc_g += sum over the block's tokens of p[g * BS + t] v_t: C vectors (8 C columns) x NG heads of
+// sums in registers over the tokens; C = 4 while 32 columns are left, then 1.
+template <int NG, int C, typename T>
+inline void group_weigh_cols(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS, int64_t BS,
+                             int64_t d) {
+  __m256 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < C; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d + 8 * j);
+  for (int64_t t = 0; t < nb; ++t) {
+    __m256 vv[C];
+    for (int j = 0; j < C; ++j) vv[j] = load8(v + t * TS + d + 8 * j);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_broadcast_ss(p + g * BS + t);
+      for (int j = 0; j < C; ++j) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
     }
   }
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < C; ++j) _mm256_storeu_ps(acc + g * D + d + 8 * j, a[g][j]);
+}
+
+template <int NG, typename T>
+inline void group_weigh(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS, int64_t BS) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) group_weigh_cols<NG, 4>(v, p, acc, nb, D, TS, BS, d);
+  for (; d < D; d += 8) group_weigh_cols<NG, 1>(v, p, acc, nb, D, TS, BS, d);
+}
+
+// f(c, h0, NG) for every KV head c and its query heads h0.., in groups of up to 3 (NG).
+template <typename F>
+inline void head_groups(int64_t kv_heads, int64_t G, F f) {
+  for (int64_t c = 0; c < kv_heads; ++c)
+    for (int64_t g0 = 0; g0 < G; g0 += 3) f(c, c * G + g0, std::min<int64_t>(3, G - g0));
 }
 #endif
 
-// One work item: every head of one sequence over tokens [t0, t1) (whole blocks but the last), read
-// block by block through the table, so each token's K and V rows (all KV heads) are contiguous
-// reads. Leaves the chunk's softmax state per query head: max m, sum l of exp(s - m), and acc, the
-// exp-weighted sum of V rows.
-template <typename T>
-void attend_chunk(const T* q, const T* k, const T* v, const int32_t* table, int64_t t0, int64_t t1,
-                  const Geometry& g, float scale, Scratch& sc, float* m_out, float* l_out, float* acc) {
-  const int64_t H = g.heads, G = g.heads / g.kv_heads, D = g.head_dim, BS = g.block_size, TS = g.token_stride;
-  const int64_t n = t1 - t0;
-  sc.qf.resize(H * D);
-  sc.scores.resize(H * n);
-  float* qf = sc.qf.data();
-  float* scores = sc.scores.data();
-  for (int64_t x = 0; x < H * D; ++x) qf[x] = load(q + x) * scale;
-  std::fill(acc, acc + H * D, 0.f);
-  // token t's row (every KV head) in a cache, through the block table
-  const auto row = [&](const T* cache, int64_t t) {
-    return cache + static_cast<int64_t>(table[t / BS]) * g.block_stride + (t % BS) * TS;
-  };
-  // Pass 1: scores[h][t - t0] = q_h . k_t (query head h reads KV head h / G). The blocks are
-  // scattered over the pool and out of cache after a layer's GEMMs; the hardware prefetcher does
-  // not know the next one, so each block asks for the next block's K and its own V (pass 2).
-  for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
-    const int64_t nb = std::min(t1, (b0 / BS + 1) * BS) - b0;
-    if (b0 + nb < t1) prefetch_rows(row(k, b0 + nb), BS * TS);
-    prefetch_rows(row(v, b0), nb * TS);
-    const float* kb = as_float(row(k, b0), nb * TS, sc.rows);
-    float* sb = scores + (b0 - t0);
-    int64_t i = 0;
-#ifdef PDSERVE_AVX2
-    if (D % 8 == 0) {
-      for (; i + 8 <= nb; i += 8) dot_tokens<8>(kb + i * TS, qf, sb + i, n, H, G, D, TS);
-      for (; i + 4 <= nb; i += 4) dot_tokens<4>(kb + i * TS, qf, sb + i, n, H, G, D, TS);
-    }
-#endif
-    for (; i < nb; ++i) {
-      for (int64_t h = 0; h < H; ++h) {
-        const float* kr = kb + i * TS + (h / G) * D;
-        float a = 0.f;
-        for (int64_t d = 0; d < D; ++d) a += qf[h * D + d] * kr[d];
-        sb[h * n + i] = a;
-      }
-    }
-  }
-  // Softmax state of the chunk, per head; scores become exp(s - m).
+// The running softmax state of every head updated with a block's scores s[h * BS + t] (t < nb),
+// which become exp(s - m): the max m grown (what the earlier blocks summed rescaled), the sum l.
+inline void softmax_block(float* s, float* m, float* l, float* acc, int64_t nb, int64_t H, int64_t D, int64_t BS) {
   for (int64_t h = 0; h < H; ++h) {
-    float* sh = scores + h * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
+    float* sh = s + h * BS;
+    float top = m[h];
+    for (int64_t t = 0; t < nb; ++t) top = std::max(top, sh[t]);
+    if (top > m[h]) {
+      const float alpha = std::exp(m[h] - top);  // 0 for the first block (m = -inf)
+      l[h] *= alpha;
+      for (float* a = acc + h * D; a < acc + (h + 1) * D; ++a) *a *= alpha;
+      m[h] = top;
+    }
     float sum = 0.f;
-    int64_t i = 0;
+    int64_t t = 0;
 #ifdef PDSERVE_AVX2
-    const __m256 mv = _mm256_set1_ps(m);
+    const __m256 mv = _mm256_set1_ps(top);
     __m256 sv = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + i), mv));
-      _mm256_storeu_ps(sh + i, e);
+    for (; t + 8 <= nb; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mv));
+      _mm256_storeu_ps(sh + t, e);
       sv = _mm256_add_ps(sv, e);
     }
     sum = hsum(sv);
 #endif
-    for (; i < n; ++i) {
-      sh[i] = std::exp(sh[i] - m);
-      sum += sh[i];
+    for (; t < nb; ++t) {
+      sh[t] = std::exp(sh[t] - top);
+      sum += sh[t];
     }
-    m_out[h] = m;
-    l_out[h] = sum;
+    l[h] += sum;
   }
-  // Pass 2: acc_h = sum over tokens of exp(s - m) v_t, block by block.
-  for (int64_t b0 = t0; b0 < t1; b0 += BS - b0 % BS) {
-    const int64_t nb = std::min(t1, (b0 / BS + 1) * BS) - b0;
-    const float* vb = as_float(row(v, b0), nb * TS, sc.rows);
-    const float* pb = scores + (b0 - t0);
+}
+
+// One work item: every head of one sequence over blocks [b, e) of the thread's list (n in all),
+// in one pass (flash attention's online softmax): per block the scores q.k in fp32, the softmax
+// state updated, the block's V rows weighed in. Leaves per query head the max m, the sum l of
+// exp(s - m) and acc, the exp-weighted sum of V rows. qf: the query times the scale, in fp32.
+template <typename T>
+void attend_item(const float* qf, const BlockRef<T>* blocks, int64_t b, int64_t e, int64_t n, const Geometry& g,
+                 std::vector<float>& scores, float* m, float* l, float* acc) {
+  const int64_t H = g.heads, G = g.heads / g.kv_heads, D = g.head_dim, BS = g.block_size, TS = g.token_stride;
+  scores.resize(H * BS);
+  float* s = scores.data();
+  std::fill(acc, acc + H * D, 0.f);
+  std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + H, 0.f);
+  Prefetcher pf;
+  for (int64_t j = b; j < e; ++j) {
+    const int64_t nb = blocks[j].rows;
+    const T* kb = blocks[j].k;
+    const T* vb = blocks[j].v;
+    // one prefetch step per 4 tokens of each head group's scores
+    pf.start(j + kAhead < n ? blocks + j + kAhead : nullptr, TS, g.kv_heads * ((G + 2) / 3) * std::max<int64_t>(1, BS / 4));
 #ifdef PDSERVE_AVX2
-    if (D % 64 == 0) {
-      weigh_rows<8>(vb, pb, acc, nb, n, H, G, D, TS);
-      continue;
-    }
-    if (D % 32 == 0) {
-      weigh_rows<4>(vb, pb, acc, nb, n, H, G, D, TS);
+    if (D % 8 == 0) {
+      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
+        if (ng == 3) group_scores<3>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+        else if (ng == 2) group_scores<2>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+        else group_scores<1>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+      });
+      pf.rest();
+      softmax_block(s, m, l, acc, nb, H, D, BS);
+      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
+        if (ng == 3) group_weigh<3>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+        else if (ng == 2) group_weigh<2>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+        else group_weigh<1>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+      });
       continue;
     }
 #endif
-    for (int64_t i = 0; i < nb; ++i) {
+    pf.rest();
+    for (int64_t t = 0; t < nb; ++t) {
       for (int64_t h = 0; h < H; ++h) {
-        const float p = pb[h * n + i];
-        const float* vr = vb + i * TS + (h / G) * D;
+        const T* kr = kb + t * TS + (h / G) * D;
+        float a = 0.f;
+        for (int64_t d = 0; d < D; ++d) a += qf[h * D + d] * load(kr + d);
+        s[h * BS + t] = a;
+      }
+    }
+    softmax_block(s, m, l, acc, nb, H, D, BS);
+    for (int64_t t = 0; t < nb; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float p = s[h * BS + t];
+        const T* vr = vb + t * TS + (h / G) * D;
         float* ah = acc + h * D;
-        for (int64_t d = 0; d < D; ++d) ah[d] += p * vr[d];
+        for (int64_t d = 0; d < D; ++d) ah[d] += p * load(vr + d);
       }
     }
   }
@@ -282,12 +335,31 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     for (int64_t it = first[x]; it < first[x + 1]; ++it) owner[it] = x;
   std::vector<float> m(num_items * H), l(num_items * H), acc(num_items * H * D);
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+    // The thread's blocks in the order it reads them, so the prefetch runs ahead across items.
+    std::vector<BlockRef<T>> blocks;
+    std::vector<int64_t> item_start(end - begin + 1, 0);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t x = owner[it], s = sp[x], t0 = (it - first[x]) * chunk;
       const int64_t t1 = std::min<int64_t>(lp[s], t0 + chunk);
-      attend_chunk<T>(qp + rp[x] * q_row, kp, vp, tp + s * g.max_blocks, t0, t1, g, scale, scratch,
-                      m.data() + it * H, l.data() + it * H, acc.data() + it * H * D);
+      const int32_t* table = tp + s * g.max_blocks;
+      for (int64_t b0 = t0; b0 < t1; b0 += BS) {
+        const int64_t offset = static_cast<int64_t>(table[b0 / BS]) * g.block_stride;
+        blocks.push_back({kp + offset, vp + offset, std::min<int64_t>(BS, t1 - b0)});
+      }
+      item_start[it - begin + 1] = static_cast<int64_t>(blocks.size());
+    }
+    const int64_t n = static_cast<int64_t>(blocks.size());
+    Prefetcher first_blocks;
+    for (int64_t j = 0; j < std::min(kAhead, n); ++j) {
+      first_blocks.start(blocks.data() + j, g.token_stride, 1);
+      first_blocks.rest();
+    }
+    std::vector<float> qf(H * D), scores;
+    for (int64_t it = begin; it < end; ++it) {
+      const T* qx = qp + rp[owner[it]] * q_row;
+      for (int64_t x = 0; x < H * D; ++x) qf[x] = load(qx + x) * scale;
+      attend_item<T>(qf.data(), blocks.data(), item_start[it - begin], item_start[it - begin + 1], n, g, scores,
+                     m.data() + it * H, l.data() + it * H, acc.data() + it * H * D);
     }
   });
   // Merge each sequence's chunks: out_h = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.

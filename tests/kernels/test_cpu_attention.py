@@ -223,11 +223,12 @@ def test_the_decode_kernel_builds_on_this_machine():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
                          [(9, 3, 64, 16), (8, 8, 128, 8), (8, 1, 64, 16), (6, 2, 12, 4), (4, 2, 8, 16),
-                          (4, 2, 96, 8)])
+                          (4, 2, 96, 8), (10, 2, 40, 16)])
 def test_the_decode_kernel_against_the_naive_attention(dtype, num_heads, num_kv_heads, head_dim, block_size):
-    # Lengths around the 8- and 4-token blocking of the AVX2 loops and the block size; head_dims
-    # 64 and 128 take pass 2's 64-column loop, 96 its 32-column loop, 8 the portable pass 2, 12 the
-    # portable loops throughout. Rows out of order (a prefill first), -1 padded tables, scattered blocks.
+    # Lengths around the 4-token blocking of the AVX2 loops and the block size; query heads per KV
+    # head 3, 1, 8 (groups of 3, 3, 2), 2 and 5 (3 + 2); head_dims 64, 128 and 96 in 32-column
+    # steps, 8 in 8-column steps, 40 both, 12 the portable loops. Rows out of order (a prefill
+    # first), -1 padded tables, scattered blocks, sequences split over several work items.
     kernel = cpu_native.load()
     rng = random.Random(num_heads * head_dim)
     seq_lens = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 63, 130, 301]
