@@ -119,6 +119,37 @@ def paged_attention(
     as the metadata holds the same values (AttentionMetadata.plans: one step), where a backend may
     keep what it derives from it for the next layers (the cpu backend does).
     """
+    # A step's layers pass the same metadata (the `plans` contract): the checks and the backend
+    # are resolved once per layer's caches and query shape, at the step's first call, and reused
+    # (~25 us a layer otherwise). The entry holds the caches, so their ids are not reused.
+    key = None
+    if plans is not None and isinstance(q, torch.Tensor) and (out is None or isinstance(out, torch.Tensor)):
+        key = ("checked", q.shape, q.dtype, q.device, id(k_cache), id(v_cache), backend,
+               None if out is None else (out.shape, out.dtype, out.device))
+    checked = None if key is None else plans.get(key)
+    if checked is None:
+        checked = (_checked_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, backend),
+                   k_cache, v_cache)
+        if key is not None:
+            plans[key] = checked
+    impl = checked[0]
+    return impl(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        out=out,
+        plans=plans,
+    )
+
+
+def _checked_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, backend):
+    """paged_attention's argument checks; returns the backend's implementation."""
     _check_cache_pair(k_cache, v_cache)
     _check_rank("q", q, 3)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -144,20 +175,7 @@ def paged_attention(
         block_tables=block_tables,
         out=out,
     )
-    impl = _PAGED_ATTENTION[resolve_backend(backend, q.device)]
-    return impl(
-        q,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        out=out,
-        plans=plans,
-    )
+    return _PAGED_ATTENTION[resolve_backend(backend, q.device)]
 
 
 def _check_batch_metadata(

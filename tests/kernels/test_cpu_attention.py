@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from pdserve.kernels import cpu_attention, cpu_native, paged_attention, reference, resolve_backend
+from pdserve.kernels import cpu_attention, cpu_native, dispatch, paged_attention, reference, resolve_backend
 from pdserve.kernels.dispatch import BACKEND_ENV
 from tests.kernels.test_reference import PagedBatch, make_batch, naive_attention
 
@@ -86,7 +86,7 @@ def test_decode_batch_split_into_chunks_with_rows_out_of_order(monkeypatch, dtyp
     batch = make_batch(q_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
     plans = {}
     assert_cpu_matches(batch, plans=plans)
-    (plan,) = plans.values()
+    (plan,) = [p for key, p in plans.items() if key[0] == "cpu"]
     assert len(plan.decode_chunks) > 1 and not isinstance(plan.decode_chunks[0].rows, slice)
 
 
@@ -134,7 +134,7 @@ def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeyp
     plans = {}
     for _ in range(3):  # three layers of one step
         assert_cpu_matches(batch, plans=plans)
-    assert len(builds) == 1 and len(plans) == 1
+    assert len(builds) == 1 and sum(key[0] == "cpu" for key in plans) == 1
     # The next step's metadata comes with a new dict (AttentionMetadata.plans); without one, every
     # call builds its own: no plan outlives the values it was built from.
     batch.seq_lens[1] = 5
@@ -142,6 +142,27 @@ def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeyp
     assert_cpu_matches(batch, plans={})
     assert_cpu_matches(batch)  # kernel off, then on: a plan each
     assert len(builds) == 4
+
+
+def test_the_checks_run_once_per_step_and_cache_yet_a_bad_call_is_still_refused(monkeypatch):
+    checks = []
+    check = dispatch._checked_attention
+    monkeypatch.setattr(dispatch, "_checked_attention", lambda *a: checks.append(a) or check(*a))
+    batch = make_batch([1, 1, 1], [30, 12, 45])
+    plans = {}
+    for _ in range(3):  # three layers of one step, the same caches
+        paged_attention(*batch.args(), backend="cpu", plans=plans)
+    assert len(checks) == 1
+    other_k, other_v = batch.k_cache.clone(), batch.v_cache.clone()  # another layer's caches: checked
+    args = list(batch.args())
+    args[1], args[2] = other_k, other_v
+    paged_attention(*args, backend="cpu", plans=plans)
+    assert len(checks) == 2
+    bad_q = batch.q[:, :, :8].contiguous()  # another head_dim than the caches': checked and refused
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention(bad_q, *batch.args()[1:], backend="cpu", plans=plans)
+    with pytest.raises(ValueError, match="out must match q"):
+        paged_attention(*batch.args(), out=torch.empty(3, 4, 16, dtype=torch.float64), backend="cpu", plans=plans)
 
 
 def test_the_engine_builds_one_plan_per_step_not_per_layer(monkeypatch, tmp_path):
