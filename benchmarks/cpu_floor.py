@@ -22,6 +22,9 @@ Everything is measured here, in one process, as medians of --repeats:
               it, not counted: reading a copy bigger than the model is the engine's cost.
   step        the engine's decode step: B requests of --context-len random tokens decoding
               together (max_num_seqs=B, ignore_eos), the median of --repeats engine.step() calls.
+  paired      the median over those steps of step / the GEMM floor's linears (its fastest path)
+              run just before that step: the machine's speed drifts by up to 1.5x between
+              minutes, and step/floor divides two medians taken minutes apart; a pair is not.
   prefill     one request's --prefill-tokens prompt prefilled in one step (a fresh random prompt
               each repeat), against the GEMM floor of those rows (the lm_head on the one row
               sampled): the share of the step its GEMMs would take at the floor.
@@ -102,7 +105,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
 def gemm_floor(config, dtype: torch.dtype, batch: int, repeats: int, logit_rows: int | None = None) -> dict:
     """Milliseconds of one step's linears per path (median), and the fastest path: `batch` rows
     through every layer, `logit_rows` (default: batch) through the lm_head. A decode step samples
-    every row; a prefill chunk of one request samples its last token only."""
+    every row; a prefill chunk of one request samples its last token only. "calls" runs the
+    fastest path's linears once more (engine_step_ms pairs it with the engine's steps)."""
     g = torch.Generator().manual_seed(0)
     shapes = linear_shapes(config)
     steps = {}
@@ -119,13 +123,21 @@ def gemm_floor(config, dtype: torch.dtype, batch: int, repeats: int, logit_rows:
         for i in range(repeats + 1):  # the first round warms every path up
             for name, calls in steps.items():
                 start = time.perf_counter()
-                for call, x in calls:
-                    call(x)
+                _run_calls(calls)
                 if i:
                     times[name].append(time.perf_counter() - start)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     best = min(ms, key=ms.get)
-    return {"gemm_ms": ms, "gemm_floor_ms": ms[best], "gemm_floor_path": best}
+    return {"gemm_ms": ms, "gemm_floor_ms": ms[best], "gemm_floor_path": best, "calls": steps[best]}
+
+
+def _run_calls(calls: list) -> float:
+    """Run a path's linears once; the seconds they took."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for call, x in calls:
+            call(x)
+    return time.perf_counter() - start
 
 
 def read_bandwidth_gbs(repeats: int, size_mb: int) -> float:
@@ -154,8 +166,10 @@ def engine_weight_bytes(model) -> int:
                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)] if t is not None)
 
 
-def engine_step_ms(args, batch: int) -> tuple[float, int]:
-    """Median ms of a decode step with `batch` sequences of context_len tokens, and the weight bytes."""
+def engine_step_ms(args, batch: int, floor_calls: list | None = None) -> tuple[float, int, list[float]]:
+    """Median ms of a decode step with `batch` sequences of context_len tokens, the weight bytes, and
+    (with `floor_calls`, the GEMM floor's linears, run just before each timed step) each step's time
+    over the floor's time next to it: the machine's speed drifts between minutes, a pair does not."""
     from pdserve.engine import LLM, SamplingParams
 
     # chunked prefill takes several steps, and a request that has its first token decodes in the rest
@@ -176,14 +190,17 @@ def engine_step_ms(args, batch: int) -> tuple[float, int]:
                                params)
         while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
             engine.step()  # prefill every prompt
-        times = []
+        times, ratios = [], []
         for i in range(args.warmup + args.repeats):
+            floor_s = _run_calls(floor_calls) if floor_calls is not None else None
             start = time.perf_counter()
             engine.step()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
+                if floor_s is not None:
+                    ratios.append(times[-1] / floor_s)
         assert len(engine.scheduler.running) == batch, "every request decodes in the timed steps"
-        return 1e3 * statistics.median(times), engine_weight_bytes(engine.runner.model)
+        return 1e3 * statistics.median(times), engine_weight_bytes(engine.runner.model), ratios
     finally:
         llm.close()
 
@@ -231,13 +248,15 @@ def run(args) -> dict:
     rows = []
     for batch in args.batch_sizes:
         row = {"batch": batch, **gemm_floor(config, dtype, batch, args.repeats)}
-        row["step_ms"], engine_bytes = engine_step_ms(args, batch)
+        row["step_ms"], engine_bytes, ratios = engine_step_ms(args, batch, row.pop("calls"))
         row["step_over_gemm_floor"] = row["step_ms"] / row["gemm_floor_ms"]
+        row["paired_step_over_gemm_floor"] = statistics.median(ratios)
         rows.append(row)
     prefill = None
     if args.prefill_tokens:
         prefill = {"tokens": args.prefill_tokens,
                    **gemm_floor(config, dtype, args.prefill_tokens, args.repeats, logit_rows=1)}
+        del prefill["calls"]
         prefill["step_ms"] = engine_prefill_ms(args, args.prefill_tokens)
         prefill["gemm_floor_over_step"] = prefill["gemm_floor_ms"] / prefill["step_ms"]
     weight_bytes = model_weight_bytes(config, dtype)
@@ -262,10 +281,11 @@ def report(result: dict) -> None:
           f"{result['weight_bytes_per_step'] / 2**20:.0f} MiB -> streaming floor {result['weight_stream_ms']:.1f} ms "
           f"(the engine holds {result['engine_weight_bytes'] / 2**20:.0f} MiB of them)")
     paths = list(result["rows"][0]["gemm_ms"])
-    print(f"{'batch':>5} " + " ".join(f"{p:>22}" for p in paths) + f" {'floor path':>22} {'step ms':>8} {'step/floor':>10}")
+    print(f"{'batch':>5} " + " ".join(f"{p:>22}" for p in paths) + f" {'floor path':>22} {'step ms':>8} {'step/floor':>10} {'paired':>7}")
     for r in result["rows"]:
         print(f"{r['batch']:>5} " + " ".join(f"{r['gemm_ms'][p]:>22.2f}" for p in paths)
-              + f" {r['gemm_floor_path']:>22} {r['step_ms']:>8.2f} {r['step_over_gemm_floor']:>10.2f}")
+              + f" {r['gemm_floor_path']:>22} {r['step_ms']:>8.2f} {r['step_over_gemm_floor']:>10.2f}"
+              f" {r['paired_step_over_gemm_floor']:>7.2f}")
     if result["batch1_step_over_stream"] is not None:
         print(f"batch 1: step / weight streaming = {result['batch1_step_over_stream']:.2f}")
     pre = result["prefill"]

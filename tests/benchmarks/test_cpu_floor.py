@@ -35,6 +35,7 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
         assert row["gemm_floor_ms"] == min(row["gemm_ms"].values())
         assert row["gemm_ms"][row["gemm_floor_path"]] == row["gemm_floor_ms"]
         assert row["step_ms"] > 0 and row["step_over_gemm_floor"] == pytest.approx(row["step_ms"] / row["gemm_floor_ms"])
+        assert row["paired_step_over_gemm_floor"] > 0 and "calls" not in row
     assert result["batch1_step_over_stream"] == pytest.approx(result["rows"][0]["step_ms"] / result["weight_stream_ms"])
     pre = result["prefill"]
     assert pre["tokens"] == 48 and pre["step_ms"] > 0 and pre["gemm_floor_ms"] == min(pre["gemm_ms"].values())
@@ -42,6 +43,24 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "prefill of 48 tokens" in printed
     assert "avx512_bf16=" in printed and "floor path" in printed and "step / weight streaming" in printed
+    assert "paired" in printed
+
+
+@pytest.mark.timeout(120)
+def test_the_paired_ratio_divides_each_step_by_the_floor_run_just_before_it(tmp_path, monkeypatch):
+    import statistics
+    from argparse import Namespace
+
+    save_tiny_model(tmp_path / "m", "llama")
+    args = Namespace(model=str(tmp_path / "m"), dtype="float32", num_threads=1, context_len=16, warmup=1, repeats=3)
+    floors = [9.0, 0.002, 0.004, 0.008]  # seconds the floor "took" before each step (the warm-up's first)
+    calls = iter(floors)
+    monkeypatch.setattr(cpu_floor, "_run_calls", lambda _: next(calls))
+    step_ms, _, ratios = cpu_floor.engine_step_ms(args, 1, floor_calls=[])
+    assert len(ratios) == 3
+    step_s = [r * f for r, f in zip(ratios, floors[1:])]  # each timed step over its own floor
+    assert 1e3 * statistics.median(step_s) == pytest.approx(step_ms)
+    assert cpu_floor.engine_step_ms(args, 1)[2] == []  # no floor calls, no pairs
 
 
 def test_linear_shapes_cover_the_fused_projections_and_the_lm_head():
