@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
-from pdserve.engine.models.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from pdserve.engine.parallel import layers
 from pdserve.kernels import cpu_native, store_kv
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -226,3 +227,56 @@ def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
     for (ka, va), (kb, vb) in zip(caches_a, caches_b):
         torch.testing.assert_close(ka.float(), kb.float(), atol=tol, rtol=tol)
         torch.testing.assert_close(va.float(), vb.float(), atol=tol, rtol=tol)
+
+
+# ---- the direct GEMM path ----------------------------------------------------------------------
+def _packed_model(form: str, monkeypatch) -> tuple[LlamaForCausalLM, torch.dtype]:
+    """The test model with oneDNN copies of every linear (the tiny layers are below the size rule)."""
+    monkeypatch.setattr(layers, "PACK_MIN_WEIGHTS", 0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config(qkv_bias=True), 64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    dtype = torch.float32 if form == "float32" else torch.bfloat16
+    model.to(dtype)
+    model.rotary.float()
+    if form == "float32":
+        assert layers.pack_cpu_linears(model) > 0
+    else:
+        use_fp32_gemms_for_bf16(model)
+    return model, dtype
+
+
+@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32"])
+def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch):
+    model, dtype = _packed_model(form, monkeypatch)
+    direct_calls = []
+    forward_direct = DecoderLayer.forward_direct
+    monkeypatch.setattr(DecoderLayer, "forward_direct",
+                        lambda self, *a: direct_calls.append(self) or forward_direct(self, *a))
+    with mock.patch.dict(cpu_native._state, {"module": ops}):
+        direct, caches_a = _forward(model, dtype, native=True)
+        assert len(direct_calls) == model.config.num_layers  # every layer went straight to its GEMMs
+        monkeypatch.setattr(DecoderLayer, "direct_gemms", lambda self, rows: None)
+        modules, caches_b = _forward(model, dtype, native=True)
+    assert len(direct_calls) == model.config.num_layers  # the second forward took the module calls
+    assert torch.equal(direct, modules)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_direct_gemms_only_where_the_module_call_is_that_gemm(monkeypatch):
+    model, _ = _packed_model("bf16-via-fp32", monkeypatch)
+    layer = model.layers[0]
+    assert layer.direct_gemms(2) is not None
+    assert layer.direct_gemms(1) is None  # one row: the bf16 GEMV on the bf16 weights
+    layer.mlp.down_proj.tp_combine = lambda y: y  # a collective after it (tensor parallelism)
+    assert layer.direct_gemms(2) is None
+    layer.mlp.down_proj.tp_combine = None
+    layer.self_attn.o_proj.out_dtype = torch.bfloat16  # its output rounded: not what the GEMM gives
+    assert layer.direct_gemms(2) is None
+    fp32_model, _ = _packed_model("float32", monkeypatch)
+    assert fp32_model.layers[0].direct_gemms(1) is not None  # fp32: oneDNN at one row too
+    fp32_model.layers[0].self_attn.qkv_proj.packed = None  # no copy: F.linear
+    assert fp32_model.layers[0].direct_gemms(4) is None

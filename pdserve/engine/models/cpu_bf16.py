@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel.layers import cpu_linear, onednn_packed_weight
+from pdserve.engine.parallel.layers import cpu_linear, direct_gemm, onednn_packed_weight
 
 
 class Bf16ViaFp32Linear(nn.Module):
@@ -57,6 +57,12 @@ class Bf16ViaFp32Linear(nn.Module):
         if self.out_dtype is not None and y.dtype != self.out_dtype:
             y = y.to(self.out_dtype)
         return y if self.tp_combine is None else self.tp_combine(y)
+
+    def direct_gemm(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """layers.direct_gemm: from two rows (one is the GEMV) where the fp32 output is handed on."""
+        if rows < 2 or self.out_dtype not in (None, torch.float32):
+            return None
+        return direct_gemm(self.packed, self.bias32, rows, self.tp_combine)
 
 
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:

@@ -42,6 +42,9 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias, self.packed)
 
+    def direct_gemm(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return direct_gemm(self.packed, self.bias, rows, None)
+
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_rows = self.parts[part]
         param = getattr(self, param_name)
@@ -61,6 +64,9 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = cpu_linear(x, self.weight, self.bias, self.packed)
         return y if self.tp_combine is None else self.tp_combine(y)
+
+    def direct_gemm(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return direct_gemm(self.packed, self.bias, rows, self.tp_combine)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_in = self.in_range
@@ -121,7 +127,22 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     with fp32 sums; only the summation order differs. `weight` may be None where `packed` is set."""
     if packed is None or x.numel() == 0:
         return F.linear(x, weight, bias)
+    return onednn_gemm(x, packed, bias)
+
+
+def onednn_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b on W's oneDNN copy (fp32, at least one row)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: int,
+                tp_combine) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(packed, bias) when a layer's forward on `rows` rows is exactly `onednn_gemm(x, packed, bias)`
+    on fp32 x, its output handed on as it is: a oneDNN copy, at least one row, no collective after
+    it. A model calls such layers straight (models/llama.py: DecoderLayer.forward_direct)."""
+    if packed is None or rows < 1 or tp_combine is not None:
+        return None
+    return packed, bias
 
 
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
