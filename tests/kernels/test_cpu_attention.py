@@ -126,10 +126,15 @@ def test_strided_q_and_strided_out():
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+def spy(monkeypatch, owner, name: str) -> list:
+    """owner.name still runs; the list collects the arguments of each call."""
+    calls, real = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
 def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeypatch):
-    builds = []
-    build = cpu_attention._build_plan
-    monkeypatch.setattr(cpu_attention, "_build_plan", lambda *a: builds.append(a) or build(*a))
+    builds = spy(monkeypatch, cpu_attention, "_build_plan")
     batch = make_batch([1, 1, 1], [30, 12, 45])
     plans = {}
     for _ in range(3):  # three layers of one step
@@ -145,9 +150,7 @@ def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeyp
 
 
 def test_the_checks_run_once_per_step_and_cache_yet_a_bad_call_is_still_refused(monkeypatch):
-    checks = []
-    check = dispatch._checked_attention
-    monkeypatch.setattr(dispatch, "_checked_attention", lambda *a: checks.append(a) or check(*a))
+    checks = spy(monkeypatch, dispatch, "_checked_attention")
     batch = make_batch([1, 1, 1], [30, 12, 45])
     plans = {}
     for _ in range(3):  # three layers of one step, the same caches
@@ -171,9 +174,7 @@ def test_the_engine_builds_one_plan_per_step_not_per_layer(monkeypatch, tmp_path
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert resolve_backend(None, torch.device("cpu")) == "cpu"
-    builds = []
-    build = cpu_attention._build_plan
-    monkeypatch.setattr(cpu_attention, "_build_plan", lambda *a: builds.append(a) or build(*a))
+    builds = spy(monkeypatch, cpu_attention, "_build_plan")
     save_tiny_model(tmp_path / "m", "llama")
     assert TINY_SHAPE["num_hidden_layers"] >= 2
     llm = LLM(str(tmp_path / "m"), dtype="float32", num_threads=1, skip_tokenizer_init=True, num_kv_blocks=16)

@@ -202,11 +202,11 @@ def _forward(model: LlamaForCausalLM, dtype: torch.dtype, native: bool) -> tuple
     return hidden, caches
 
 
-@pytest.mark.parametrize("form", ["float32", "bf16-native-gemms", "bf16-via-fp32"])
-def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
-    cfg = config(qkv_bias=True)
+def _model(form: str) -> tuple[LlamaForCausalLM, torch.dtype]:
+    """The test model with random weights: float32, bf16 (native bf16 GEMMs), or bf16 with fp32
+    GEMMs on its values (models/cpu_bf16.py)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, 64)
+    model = LlamaForCausalLM(config(qkv_bias=True), 64)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -215,6 +215,13 @@ def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
     model.rotary.float()
     if form == "bf16-via-fp32":
         use_fp32_gemms_for_bf16(model)
+    return model, dtype
+
+
+@pytest.mark.parametrize("form", ["float32", "bf16-native-gemms", "bf16-via-fp32"])
+def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
+    model, dtype = _model(form)
+    cfg = model.config
     counting = CountingOps(ops)
     with mock.patch.dict(cpu_native._state, {"module": counting}):
         with_ops, caches_a = _forward(model, dtype, native=True)
@@ -233,18 +240,9 @@ def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
 def _packed_model(form: str, monkeypatch) -> tuple[LlamaForCausalLM, torch.dtype]:
     """The test model with oneDNN copies of every linear (the tiny layers are below the size rule)."""
     monkeypatch.setattr(layers, "PACK_MIN_WEIGHTS", 0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config(qkv_bias=True), 64)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    dtype = torch.float32 if form == "float32" else torch.bfloat16
-    model.to(dtype)
-    model.rotary.float()
+    model, dtype = _model(form)  # bf16 via fp32 packs as it swaps the layers
     if form == "float32":
         assert layers.pack_cpu_linears(model) > 0
-    else:
-        use_fp32_gemms_for_bf16(model)
     return model, dtype
 
 
