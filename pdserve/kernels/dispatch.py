@@ -119,20 +119,19 @@ def paged_attention(
     as the metadata holds the same values (AttentionMetadata.plans: one step), where a backend may
     keep what it derives from it for the next layers (the cpu backend does).
     """
-    # A step's layers pass the same metadata (the `plans` contract): the checks and the backend
-    # are resolved once per layer's caches and query shape, at the step's first call, and reused
-    # (~25 us a layer otherwise). The entry holds the caches, so their ids are not reused.
+    # A step's layers pass the same metadata (the `plans` contract) and caches of one shape: the
+    # checks, which read only shapes, dtypes and devices, and the backend are resolved at the
+    # step's first layer and reused (~25 us a layer otherwise).
     key = None
-    if plans is not None and isinstance(q, torch.Tensor) and (out is None or isinstance(out, torch.Tensor)):
-        key = ("checked", q.shape, q.dtype, q.device, id(k_cache), id(v_cache), backend,
+    if plans is not None and all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache)) \
+            and (out is None or isinstance(out, torch.Tensor)):
+        key = ("checked", backend, *((t.shape, t.dtype, t.device) for t in (q, k_cache, v_cache)),
                None if out is None else (out.shape, out.dtype, out.device))
-    checked = None if key is None else plans.get(key)
-    if checked is None:
-        checked = (_checked_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, backend),
-                   k_cache, v_cache)
+    impl = None if key is None else plans.get(key)
+    if impl is None:
+        impl = _checked_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, backend)
         if key is not None:
-            plans[key] = checked
-    impl = checked[0]
+            plans[key] = impl
     return impl(
         q,
         k_cache,

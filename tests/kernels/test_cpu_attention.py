@@ -149,17 +149,20 @@ def test_the_plan_is_kept_in_the_callers_dict_for_the_steps_other_layers(monkeyp
     assert len(builds) == 4
 
 
-def test_the_checks_run_once_per_step_and_cache_yet_a_bad_call_is_still_refused(monkeypatch):
+def test_the_checks_run_once_per_step_and_cache_shape_yet_a_bad_call_is_still_refused(monkeypatch):
     checks = spy(monkeypatch, dispatch, "_checked_attention")
     batch = make_batch([1, 1, 1], [30, 12, 45])
     plans = {}
     for _ in range(3):  # three layers of one step, the same caches
         paged_attention(*batch.args(), backend="cpu", plans=plans)
     assert len(checks) == 1
-    other_k, other_v = batch.k_cache.clone(), batch.v_cache.clone()  # another layer's caches: checked
     args = list(batch.args())
-    args[1], args[2] = other_k, other_v
+    args[1], args[2] = batch.k_cache.clone(), batch.v_cache.clone()  # another layer's caches, same shape
     paged_attention(*args, backend="cpu", plans=plans)
+    assert len(checks) == 1
+    args[2] = batch.v_cache[:-1].clone()  # a V cache of another shape: checked and refused
+    with pytest.raises(ValueError, match="k_cache and v_cache differ"):
+        paged_attention(*args, backend="cpu", plans=plans)
     assert len(checks) == 2
     bad_q = batch.q[:, :, :8].contiguous()  # another head_dim than the caches': checked and refused
     with pytest.raises(ValueError, match="head_dim"):
