@@ -13,6 +13,8 @@ Everything is measured here, in one process, as medians of --repeats:
                                     engine/models/cpu_bf16.py)
                 onednn-packed-*     oneDNN with weights reordered once (inductor's freezing path)
                 mkl-packed-float32  MKL's packed sgemm; its pack is valid for one batch size only
+                pdserve-panels-bfloat16  the engine's own GEMM on bf16 weights in panels
+                                    (kernels/cpu_decode.cpp; bf16 models, where the ops build)
               The paths take turns within every repeat, so drift hits them alike; the fastest
               median is the floor.
   bandwidth   read bandwidth: a sum over a tensor far larger than the last-level cache.
@@ -89,6 +91,18 @@ def _mkl_packed_path():
     return prepare, torch.float32
 
 
+def _panels_path():
+    """pdserve's compiled GEMM on bf16 weights packed in panels (kernels/cpu_decode.cpp), fp32 input."""
+    from pdserve.kernels import cpu_native
+
+    ops = cpu_native.load()
+
+    def prepare(w: torch.Tensor, batch: int) -> Callable:
+        panels = ops.pack_bf16_panels(w.to(torch.bfloat16))
+        return lambda x: ops.gemm_bf16_panels(x, panels, w.shape[0], None)
+    return prepare, torch.float32
+
+
 def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
     paths = {f"torch-{_name(dtype)}": _torch_path(dtype)}
     if dtype != torch.float32:
@@ -99,6 +113,10 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
             paths["onednn-packed-bfloat16"] = _onednn_path(torch.bfloat16)
         if torch.backends.mkl.is_available():
             paths["mkl-packed-float32"] = _mkl_packed_path()
+    from pdserve.kernels import cpu_native
+
+    if dtype == torch.bfloat16 and cpu_native.load() is not None:  # what a bf16 layer runs at 2-64 rows
+        paths["pdserve-panels-bfloat16"] = _panels_path()
     return paths
 
 

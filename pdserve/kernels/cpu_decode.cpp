@@ -566,6 +566,59 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16");
 }
 
+
+// ---- GEMMs on bf16 weights, a few rows -------------------------------------------------------
+// y = x W^T (+ b) for x fp32 [M, K] and W bf16 [N, K], packed once into panels of 16 weight rows,
+// k-major ([N/16][K][16], zero-padded). A panel's 16 columns of y are two vectors: per k, MR rows
+// of x broadcast one value each against the panel's two widened vectors (2 x MR sums in
+// registers, no horizontal sums); each panel comes from memory once and from L1 for the next
+// rows. It reads the bf16 weights, half the bytes of the fp32 copy oneDNN reads for a bf16 model
+// on a CPU without native bf16 (engine/models/cpu_bf16.py), and sums each output in k order in
+// fp32, as a native bf16 GEMM does.
+constexpr int64_t kPanel = 16;
+
+#ifdef PDSERVE_AVX2
+template <int MR>
+void panel_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t ldy, int64_t cols, const float* bias) {
+  __m256 a[MR][2];
+  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = load8(w + k * kPanel), w1 = load8(w + k * kPanel + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+      a[i][0] = _mm256_fmadd_ps(xb, w0, a[i][0]);
+      a[i][1] = _mm256_fmadd_ps(xb, w1, a[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float t[kPanel];
+    _mm256_store_ps(t, a[i][0]);
+    _mm256_store_ps(t + 8, a[i][1]);
+    for (int64_t j = 0; j < cols; ++j) y[i * ldy + j] = bias == nullptr ? t[j] : t[j] + bias[j];
+  }
+}
+#endif
+
+// Rows [0, M) of one panel; portable loops without AVX2 (the same order of sums; each product
+// rounded before its add).
+void panel_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy, int64_t cols,
+                    const float* bias) {
+  int64_t m = 0;
+#ifdef PDSERVE_AVX2
+  for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
+  for (; m + 4 <= M; m += 4) panel_rows<4>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
+  for (; m + 2 <= M; m += 2) panel_rows<2>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
+  for (; m < M; ++m) panel_rows<1>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
+#endif
+  for (; m < M; ++m) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float a = 0.f;
+      for (int64_t k = 0; k < K; ++k) a += x[m * K + k] * bf16_to_f32(w[k * kPanel + j]);
+      y[m * ldy + j] = bias == nullptr ? a : a + bias[j];
+    }
+  }
+}
+
 }  // namespace
 
 // residual += delta (rounded to residual's dtype; delta may be None), then RMSNorm of the new
@@ -651,6 +704,47 @@ torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   return q;
 }
 
+// W [N, K] bf16 as the panels gemm_bf16_panels reads: [ceil(N / 16), K, 16], zero-padded.
+torch::Tensor pack_bf16_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_bf16_panels: a 2-D bfloat16 weight");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
+  auto out = torch::zeros({P, K, kPanel}, w.options());
+  const uint16_t* src = ptr<uint16_t>(w);
+  uint16_t* dst = ptr<uint16_t>(out);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[((n / kPanel) * K + k) * kPanel + n % kPanel] = src[n * K + k];
+  return out;
+}
+
+// x [M, K] fp32 times the packed W [N, K] (pack_bf16_panels), plus bias [N] fp32 if given: [M, N] fp32.
+torch::Tensor gemm_bf16_panels(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gemm_bf16_panels: x must be 2-D float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
+                  panels.is_contiguous() && panels.size(1) == x.size(1) && out_features > 0 &&
+                  (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "gemm_bf16_panels: panels must be pack_bf16_panels of a [out_features, x.size(1)] weight");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
+                    bias->is_contiguous(), "gemm_bf16_panels: bias must be float32 [out_features]");
+    b = bias->data_ptr<float>();
+  }
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = out_features;
+  auto y = torch::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const uint16_t* wp = ptr<uint16_t>(panels);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      panel_all_rows(xp, M, K, wp + p * K * kPanel, yp + p * kPanel, N, std::min(kPanel, N - p * kPanel),
+                     b == nullptr ? nullptr : b + p * kPanel);
+  });
+  return y;
+}
+
 // silu(gate) * up of [T, 2I] rows (gate | up); returns [T, I] in the input's dtype.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_mul");
@@ -695,4 +789,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (CPU)");
   m.def("rope_store_kv", &rope_store_kv, "RoPE on q and k, k and v stored in the paged caches (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
+  m.def("pack_bf16_panels", &pack_bf16_panels, "a bf16 weight packed for gemm_bf16_panels (CPU)");
+  m.def("gemm_bf16_panels", &gemm_bf16_panels, "x W^T + b on a packed bf16 weight, a few rows (CPU)");
 }

@@ -267,6 +267,8 @@ def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch)
 def test_direct_gemms_only_where_the_module_call_is_that_gemm(monkeypatch):
     model, _ = _packed_model("bf16-via-fp32", monkeypatch)
     layer = model.layers[0]
+    assert layer.direct_gemms(1) is not None and layer.direct_gemms(2) is not None  # the panels' GEMM
+    layer.mlp.down_proj.panels = None  # no panels (no compiled ops): oneDNN from two rows
     assert layer.direct_gemms(2) is not None
     assert layer.direct_gemms(1) is None  # one row: the bf16 GEMV on the bf16 weights
     layer.mlp.down_proj.tp_combine = lambda y: y  # a collective after it (tensor parallelism)

@@ -19,11 +19,19 @@ fp32 (benchmarks/cpu_floor.py). The layer keeps both: 1.5x the fp32 layer's memo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.parallel.layers import cpu_linear, direct_gemm, onednn_packed_weight
+from pdserve.kernels import cpu_native
+
+# Up to this many rows a layer with a oneDNN copy runs the compiled GEMM on its bf16 weights packed
+# in panels (kernels/cpu_decode.cpp: gemm_bf16_panels), half the bytes oneDNN reads and a kernel
+# made for few rows; more rows (prefill chunks) run oneDNN, faster there.
+PANEL_MAX_ROWS = 64
 
 
 class Bf16ViaFp32Linear(nn.Module):
@@ -41,6 +49,11 @@ class Bf16ViaFp32Linear(nn.Module):
         self.register_buffer("weight16", linear.weight.detach().to(torch.bfloat16), persistent=False)
         self.register_buffer("bias16", None if bias is None else bias.detach().to(torch.bfloat16),
                              persistent=False)
+        # the bf16 weights packed for the compiled few-row GEMM, beside a oneDNN copy (none without
+        # the compiled ops: PDSERVE_CPU_NATIVE=0, no compiler)
+        self.native = cpu_native.load() if self.packed is not None else None
+        self.panels = None if self.native is None else self.native.pack_bf16_panels(self.weight16)
+        self.out_features = weight32.shape[0]
         # float32 where the output feeds only another fp32 GEMM; None where the consumer rounds to
         # bf16 itself: the GEMM's own output then (fp32 for several rows, bf16 from the GEMV)
         self.out_dtype: torch.dtype | None = torch.bfloat16
@@ -48,9 +61,13 @@ class Bf16ViaFp32Linear(nn.Module):
         self.tp_combine = getattr(linear, "tp_combine", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= x.shape[-1]:  # one row: a GEMV over the bf16 weights (or no row)
+        # (a no-op conversion still costs a call: ~2 us, 120 a step)
+        if self.panels is not None and x.dim() == 2 and 0 < x.shape[0] <= PANEL_MAX_ROWS:
+            y = self.native.gemm_bf16_panels(x if x.dtype == torch.float32 else x.float(), self.panels,
+                                             self.out_features, self.bias32)
+        elif x.numel() <= x.shape[-1]:  # one row: torch's GEMV over the bf16 weights (or no row)
             y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16)
-        else:  # (a no-op conversion still costs a call: ~2 us, 120 a step)
+        else:
             packed = self.packed
             y = cpu_linear(x if x.dtype == torch.float32 else x.float(), None if packed is not None else self.weight32,
                            self.bias32, packed)
@@ -58,11 +75,15 @@ class Bf16ViaFp32Linear(nn.Module):
             y = y.to(self.out_dtype)
         return y if self.tp_combine is None else self.tp_combine(y)
 
-    def direct_gemm(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """layers.direct_gemm: from two rows (one is the GEMV) where the fp32 output is handed on."""
-        if rows < 2 or self.out_dtype not in (None, torch.float32):
+    def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """layers.direct_gemm, where the fp32 output is handed on: the panels' GEMM up to
+        PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
+        if self.out_dtype not in (None, torch.float32) or rows < 1:
             return None
-        return direct_gemm(self.packed, self.bias32, rows, self.tp_combine)
+        if self.panels is not None and rows <= PANEL_MAX_ROWS and self.tp_combine is None:
+            gemm, panels, out_features, bias = self.native.gemm_bf16_panels, self.panels, self.out_features, self.bias32
+            return lambda x: gemm(x, panels, out_features, bias)
+        return None if rows < 2 else direct_gemm(self.packed, self.bias32, rows, self.tp_combine)
 
 
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:

@@ -20,7 +20,7 @@ slices the full checkpoint tensors. At size 1 that is the whole model, with no c
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,6 @@ from pdserve.engine.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
-    onednn_gemm,
 )
 from pdserve.engine.parallel.sharding import check_tp, kv_head_range, q_head_range, shard_range
 from pdserve.engine.parallel.state import tp_rank, tp_size
@@ -211,10 +210,10 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add_norm(h, residual, native)
         return self.mlp(h, native), residual
 
-    def direct_gemms(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
-        """(oneDNN copy, bias) of the qkv, o, gate_up and down projections when each of them, at
-        `rows` rows, is exactly that GEMM with its fp32 output handed on (parallel/layers.py:
-        direct_gemm); else None."""
+    def direct_gemms(self, rows: int) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
+        """The GEMMs of the qkv, o, gate_up and down projections as plain calls when each of them,
+        at `rows` rows, is exactly one GEMM with its fp32 output handed on (parallel/layers.py:
+        direct_gemm; models/cpu_bf16.py); else None."""
         gemms = []
         for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
             direct = getattr(proj, "direct_gemm", None)
@@ -225,16 +224,16 @@ class DecoderLayer(nn.Module):
         return gemms
 
     def forward_direct(self, positions, x, residual, meta, kv_cache, rotary, native, gemms):
-        """forward with the compiled ops, its four GEMMs called straight on their oneDNN copies
-        (`direct_gemms`): the same ops in the same order, so the same bits, without the Python
-        of the module calls around them (~7 a layer; on a 2-core CPU about 8 ms of a 120-ms
-        batch-16 step of the default model)."""
-        (qkv, qkv_bias), (o, o_bias), (gate_up, gate_up_bias), (down, down_bias) = gemms
+        """forward with the compiled ops, its four GEMMs called straight (`direct_gemms`): the same
+        ops in the same order, so the same bits, without the Python of the module calls around
+        them (~7 a layer; on a 2-core CPU about 3-6 ms of a 120-ms batch-16 step of the default
+        model)."""
+        qkv, o, gate_up, down = gemms
         h, residual = self.input_layernorm.add_norm(x, residual, native)
-        out = self.self_attn.attend(positions, onednn_gemm(h, qkv, qkv_bias), meta, kv_cache, rotary, native)
-        h = onednn_gemm(out if out.dtype == torch.float32 else out.float(), o, o_bias)
-        h, residual = self.post_attention_layernorm.add_norm(h, residual, native)
-        return onednn_gemm(native.silu_mul(onednn_gemm(h, gate_up, gate_up_bias)), down, down_bias), residual
+        out = self.self_attn.attend(positions, qkv(h), meta, kv_cache, rotary, native)
+        h, residual = self.post_attention_layernorm.add_norm(o(out if out.dtype == torch.float32 else out.float()),
+                                                             residual, native)
+        return down(native.silu_mul(gate_up(h))), residual
 
     def hand_fp32_to_gemms(self) -> None:
         """For a bf16 model whose GEMMs run in fp32 on bf16 values (models/cpu_bf16.py): the two

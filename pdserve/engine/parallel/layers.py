@@ -19,6 +19,7 @@ oneDNN (`pack_cpu_linears`, at load time); `cpu_linear` says when it is used and
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_linear(x, self.weight, self.bias, self.packed)
 
-    def direct_gemm(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return direct_gemm(self.packed, self.bias, rows, None)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
@@ -65,7 +66,7 @@ class RowParallelLinear(nn.Linear):
         y = cpu_linear(x, self.weight, self.bias, self.packed)
         return y if self.tp_combine is None else self.tp_combine(y)
 
-    def direct_gemm(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return direct_gemm(self.packed, self.bias, rows, self.tp_combine)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
@@ -136,13 +137,13 @@ def onednn_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: int,
-                tp_combine) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(packed, bias) when a layer's forward on `rows` rows is exactly `onednn_gemm(x, packed, bias)`
-    on fp32 x, its output handed on as it is: a oneDNN copy, at least one row, no collective after
-    it. A model calls such layers straight (models/llama.py: DecoderLayer.forward_direct)."""
+                tp_combine) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`onednn_gemm` on (packed, bias) when a layer's forward on `rows` rows is exactly that GEMM on
+    fp32 x, its output handed on as it is: a oneDNN copy, at least one row, no collective after it.
+    A model calls such layers' GEMMs straight (models/llama.py: DecoderLayer.forward_direct)."""
     if packed is None or rows < 1 or tp_combine is not None:
         return None
-    return packed, bias
+    return functools.partial(onednn_gemm, packed=packed, bias=bias)
 
 
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
