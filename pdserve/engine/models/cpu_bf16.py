@@ -10,11 +10,15 @@ and the MLP's activation go to their GEMM in fp32 (`hand_fp32_to_gemms`). The fp
 CPU's fastest for several rows (engine/parallel/layers.py: `cpu_linear`) on a oneDNN copy of the
 fp32 weight; a layer too small for the copy keeps the fp32 weight itself for F.linear.
 
-One row (a single stream's decode step) is a GEMV, bound by the memory's pace, not the math: it
-reads the bf16 weights (half the bytes of the fp32 copy) with torch's bf16 GEMV, which also sums
-in fp32 and rounds once; it differs from the fp32 GEMM by summation order only. On an AVX2 EPYC
-(2 threads) the default model's GEMMs of one row took 21.7 ms this way against 43.7-60.2 ms in
-fp32 (benchmarks/cpu_floor.py). The layer keeps both: 1.5x the fp32 layer's memory.
+A few rows (1 to PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
+packed once in 16-column panels (kernels/cpu_decode.cpp: gemm_bf16_panels), where the compiled
+ops load: half the bytes of the fp32 copy, fp32 sums in k order (a row gets the same bits in any
+batch); on an AVX2 EPYC (2 threads) the default model's GEMMs took 89.9 ms at 16 rows against
+oneDNN's 101.6, and 24.2 ms at one row against torch's bf16 GEMV's 28.9-32.7
+(benchmarks/cpu_floor.py). More rows (prefill chunks) run oneDNN on the fp32 copy. Without the
+compiled ops one row runs torch's bf16 GEMV on the bf16 weights, which also sums in fp32 and
+rounds once. The layer keeps the bf16 weights, the panels and the oneDNN copy: 2x the fp32
+layer's memory.
 """
 
 from __future__ import annotations
