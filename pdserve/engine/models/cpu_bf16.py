@@ -13,9 +13,9 @@ fp32 weight; a layer too small for the copy keeps the fp32 weight itself for F.l
 A few rows (1 to PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
 packed once in 16-column panels (kernels/cpu_decode.cpp: gemm_bf16_panels), where the compiled
 ops load: half the bytes of the fp32 copy, fp32 sums in k order (a row gets the same bits in any
-batch); on an AVX2 EPYC (2 threads) the default model's GEMMs took 89.9 ms at 16 rows against
-oneDNN's 101.6, and 24.2 ms at one row against torch's bf16 GEMV's 28.9-32.7
-(benchmarks/cpu_floor.py). More rows (prefill chunks) run oneDNN on the fp32 copy. Without the
+batch); on an AVX2 EPYC (2 threads) the default model's GEMMs at 16 rows were level with
+oneDNN's (a batch-16 step 0.90x with them), and took 19-24 ms at one row against torch's bf16
+GEMV's 27-33 (benchmarks/cpu_floor.py). More rows (prefill chunks) run oneDNN on the fp32 copy. Without the
 compiled ops one row runs torch's bf16 GEMV on the bf16 weights, which also sums in fp32 and
 rounds once. The layer keeps the bf16 weights, the panels and the oneDNN copy: 2x the fp32
 layer's memory.
