@@ -123,8 +123,8 @@ def paged_attention(
     # checks, which read only shapes, dtypes and devices, and the backend are resolved at the
     # step's first layer and reused (~25 us a layer otherwise).
     key = None
-    if plans is not None and all(isinstance(t, torch.Tensor) for t in (q, k_cache, v_cache)) \
-            and (out is None or isinstance(out, torch.Tensor)):
+    if plans is not None and isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) \
+            and isinstance(v_cache, torch.Tensor) and (out is None or isinstance(out, torch.Tensor)):
         key = ("checked", backend, *((t.shape, t.dtype, t.device) for t in (q, k_cache, v_cache)),
                None if out is None else (out.shape, out.dtype, out.device))
     impl = None if key is None else plans.get(key)

@@ -66,7 +66,7 @@ class Bf16ViaFp32Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (a no-op conversion still costs a call: ~2 us, 120 a step)
-        if self.panels is not None and x.dim() == 2 and 0 < x.shape[0] <= PANEL_MAX_ROWS:
+        if x.dim() == 2 and self._on_panels(x.shape[0]):
             y = self.native.gemm_bf16_panels(x if x.dtype == torch.float32 else x.float(), self.panels,
                                              self.out_features, self.bias32)
         elif x.numel() <= x.shape[-1]:  # one row: torch's GEMV over the bf16 weights (or no row)
@@ -84,10 +84,14 @@ class Bf16ViaFp32Linear(nn.Module):
         PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
         if self.out_dtype not in (None, torch.float32) or rows < 1:
             return None
-        if self.panels is not None and rows <= PANEL_MAX_ROWS and self.tp_combine is None:
+        if self._on_panels(rows) and self.tp_combine is None:
             gemm, panels, out_features, bias = self.native.gemm_bf16_panels, self.panels, self.out_features, self.bias32
             return lambda x: gemm(x, panels, out_features, bias)
         return None if rows < 2 else direct_gemm(self.packed, self.bias32, rows, self.tp_combine)
+
+    def _on_panels(self, rows: int) -> bool:
+        """Whether `rows` rows run the panels' GEMM (forward and direct_gemm choose alike)."""
+        return self.panels is not None and 0 < rows <= PANEL_MAX_ROWS
 
 
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:
