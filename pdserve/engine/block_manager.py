@@ -193,6 +193,10 @@ class BlockManager:
         last = min(len(table), self.num_blocks_for(end))
         return [i for i in range(start // self.block_size, last) if self.ref_counts[table[i]] > 1]
 
+    def shares_blocks_in(self, request_id: str, start: int, end: int) -> bool:
+        """Positions [start, end) of the request write into a block another table holds."""
+        return bool(self._shared_in(request_id, start, end))
+
     def copy_on_write(self, request_id: str, start: int, end: int) -> list[tuple[int, int]]:
         """Before KV is written at positions [start, end): give the request a private copy of each
         shared block the range touches. Returns (src, dst) block copies to make before the forward

@@ -23,8 +23,8 @@ from pdserve.engine.parallel.step_wire import HostBatch
 
 
 def build_host_batch(
-    token_ids: list[int],  # [T] fed this step, request by request
-    starts: list[int],  # [S] position of each request's first new token
+    token_ids: Sequence[int],  # [T] fed this step, request by request (a list or an int64 array)
+    starts: Sequence[int],  # [S] position of each request's first new token (a list or an int64 array)
     block_tables: torch.Tensor,  # [S, max blocks] int32, -1 padded (pad_tables, or kept across steps)
     block_size: int,
     query_lens: list[int] | None = None,  # [S] tokens fed per request; None: one each (a decode step)
@@ -41,7 +41,7 @@ def build_host_batch(
         seq_lens = positions.astype(np.int32)
         seq_lens += 1
         logits_indices = rows if num_logits is None else _last_rows(rows + 1, num_logits)
-        max_query_len, max_seq_len = 1, max(starts) + 1
+        max_query_len, max_seq_len = 1, int(positions.max()) + 1
     else:
         starts_a, lens = np.array(starts, dtype=np.int64), np.array(query_lens, dtype=np.int64)
         qsl = np.zeros(num_seqs + 1, dtype=np.int64)

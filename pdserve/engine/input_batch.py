@@ -11,15 +11,24 @@ step's `[S, width]` block tables are then one gather of the scheduled rows.
 Rows are released lazily: when a new request finds no free row, rows of requests that this step
 does not schedule (finished, preempted or aborted ones) are freed. A row is matched by request
 id and checked by content, so a stale row, or an id used again, is rewritten before it is read.
+
+A columnar decode step (engine/decode_batch.py) of the same batch as the step before, when that
+one was columnar too, checks nothing: the scheduler says which tables grew (`DecodeStep.grown`),
+and only those rows are rewritten. No other change can reach such a batch's tables: a request
+leaving or joining makes a new batch, and copy-on-writes and roll-backs happen in steps of the
+general path, whose gather compares every row and ends the run of trusted steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import ne
 
 import numpy as np
 import torch
 
+from pdserve.engine.decode_batch import DecodeBatch, DecodeStep
 from pdserve.engine.scheduler_output import ScheduledRequest
 
 
@@ -30,22 +39,43 @@ class PersistentBlockTables:
         self.row_of: dict[str, int] = {}  # request id -> its row
         self.written: list[list[int] | None] = [None] * self.table.shape[0]  # the block ids each row holds
         self.free_rows = list(range(self.table.shape[0] - 1, -1, -1))  # popped from the end: row 0 first
+        # The columnar batch whose rows were last gathered (and those rows), while no other gather
+        # has run since: its next step need only rewrite the rows of tables that grew.
+        self._trusted: tuple[DecodeBatch, list[int], slice | np.ndarray] | None = None
 
     def gather(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
         """[S, max blocks of the step] int32 block tables of `scheduled`, padded with -1."""
-        rows = []
+        self._trusted = None
+        rows = self._rows([s.request.request_id for s in scheduled], [s.block_ids for s in scheduled])
+        return self._take(_index(rows), max(len(s.block_ids) for s in scheduled))
+
+    def gather_decode(self, decode: DecodeStep) -> torch.Tensor:
+        """The block tables of a columnar decode step."""
+        trusted = self._trusted
+        if trusted is not None and trusted[0] is decode.batch:
+            _, rows, index = trusted
+            for i in decode.grown:
+                self._write(rows[i], decode.tables[decode.request_ids[i]])
+        else:
+            rows = self._rows(decode.request_ids, decode.block_lists)
+            index = _index(rows)
+            self._trusted = (decode.batch, rows, index)
+        return self._take(index, int(decode.num_blocks.max()))
+
+    def _take(self, index: slice | np.ndarray, width: int) -> torch.Tensor:
+        picked = self.table[index, :width]
+        return torch.from_numpy(picked.copy() if isinstance(index, slice) else picked)
+
+    def _rows(self, request_ids: Sequence[str], block_lists: Sequence[list[int]]) -> list[int]:
+        """The requests' rows, each checked against its live block list and rewritten if stale."""
         row_of, written = self.row_of, self.written
-        for s in scheduled:  # per request of the batch: kept lean
-            row = row_of.get(s.request.request_id)
-            if row is None:
-                row = self._take_row(s.request.request_id, scheduled)
-            if s.block_ids != written[row]:
-                self._write(row, s.block_ids)
-            rows.append(row)
-        width = max(len(s.block_ids) for s in scheduled)
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # in row order: a slice, copied
-            return torch.from_numpy(self.table[rows[0] : rows[0] + len(rows), :width].copy())
-        return torch.from_numpy(self.table[np.array(rows, dtype=np.intp), :width])
+        rows = [row_of.get(i, -1) for i in request_ids]
+        if -1 in rows:  # requests new to the table
+            rows = [row if row >= 0 else self._take_row(i, request_ids) for i, row in zip(request_ids, rows)]
+        # Rows whose copy differs from the live list (one list compare each, in C).
+        for k in compress(range(len(rows)), map(ne, block_lists, [written[r] for r in rows])):
+            self._write(rows[k], block_lists[k])
+        return rows
 
     def _write(self, row: int, block_ids: list[int]) -> None:
         num = len(block_ids)
@@ -59,9 +89,9 @@ class PersistentBlockTables:
             self.table[row, num : len(old)] = -1
         self.written[row] = list(block_ids)
 
-    def _take_row(self, request_id: str, scheduled: Sequence[ScheduledRequest]) -> int:
+    def _take_row(self, request_id: str, live_ids: Sequence[str]) -> int:
         if not self.free_rows:
-            self._release_unscheduled(scheduled)
+            self._release_unscheduled(live_ids)
         if not self.free_rows:  # more requests than rows: grow
             num = self.table.shape[0]
             self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
@@ -70,10 +100,17 @@ class PersistentBlockTables:
         row = self.row_of[request_id] = self.free_rows.pop()
         return row
 
-    def _release_unscheduled(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        live = {s.request.request_id for s in scheduled}
+    def _release_unscheduled(self, live_ids: Sequence[str]) -> None:
+        live = set(live_ids)
         for request_id in [r for r in self.row_of if r not in live]:
             row = self.row_of.pop(request_id)
             self.table[row] = -1
             self.written[row] = None
             self.free_rows.append(row)
+
+
+def _index(rows: list[int]) -> slice | np.ndarray:
+    """Rows in order (the usual case) as a slice, else an index array."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return np.array(rows, dtype=np.intp)

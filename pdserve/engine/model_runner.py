@@ -33,6 +33,7 @@ import torch
 from pdserve.engine.attention_metadata import AttentionMetadata, BatchChunk
 from pdserve.engine.config import EngineConfig, cpu_has_native_bf16
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.decode_batch import DecodeStep
 from pdserve.engine.host_batch import build_host_batch, pad_tables
 from pdserve.engine.input_batch import PersistentBlockTables
 from pdserve.engine.loader import iter_safetensors
@@ -205,14 +206,16 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None] | list]:
-        """Run the step; returns request id → (sampled token, logprobs) for requests that sample,
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None] | list] | tuple:
+        """Run the step. A columnar decode step (`out.decode`) returns (token ids, logprobs or
+        None), in batch order. Otherwise request id → (sampled token, logprobs) for requests that sample,
         or, for a request that had draft tokens to verify, the list of such pairs it emits
         (the accepted drafts, then the target's own token: engine/rejection_sampler.py); an n > 1
         request about to fork gets one pair per choice, under the choices' ids. Fills
         `timings.prepare`, `.forward` and `.sample`."""
         start = perf_counter()
-        sampling = [s for s in out.scheduled if s.samples]
+        decode = out.decode  # a steady decode step, as columns (engine/decode_batch.py): all sample
+        sampling = decode if decode is not None else [s for s in out.scheduled if s.samples]
         step = Step(None if out.is_empty else self.prepare_host_batch(out, len(sampling)), bool(sampling),
                     out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
         if self.executor is None:
@@ -223,9 +226,20 @@ class ModelRunner:
                     self.executor.send_step(step)
                 logits = self.run_step(step, start)
         sample_start = perf_counter()
-        sampled = {} if logits is None else self._sample(logits, sampling)
+        if decode is not None:
+            sampled = self._sample_decode(logits, decode)
+        else:
+            sampled = {} if logits is None else self._sample(logits, sampling)
         self.timings.sample = perf_counter() - sample_start
         return sampled
+
+    def _sample_decode(self, logits: torch.Tensor, decode: DecodeStep) -> tuple[list[int], list | None]:
+        """A columnar decode step's draws: (token ids, logprobs or None) in batch order."""
+        if decode.batch.all_plain_greedy:
+            return argmax_rows(logits).tolist(), None
+        rows = [SamplingInput(r.params, *r.sampling_view()) for r in decode.requests]
+        result = self.sampler(logits, rows)
+        return result.token_ids, result.logprobs
 
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> dict:
         plain_ids = [s.request.request_id for s in sampling if s.request.is_plain_greedy and not s.spec_token_ids]
@@ -276,8 +290,13 @@ class ModelRunner:
         """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request
         with draft tokens feeds them after its last token (query length 1 + k) and wants the
         logits of all 1 + k positions. A decode step (one token per request, no drafts) gathers
-        one column per field and no per-request lists. `num_sampling`: how many chunks sample,
-        when the caller has counted them (all of them: no per-request list of logits wanted)."""
+        one column per field and no per-request lists (a columnar one, `out.decode`, reads no
+        per-request object at all). `num_sampling`: how many chunks sample, when the caller has
+        counted them (all of them: no per-request list of logits wanted)."""
+        if out.decode is not None:
+            decode = out.decode
+            tables = self.block_tables.gather_decode(decode)
+            return build_host_batch(decode.token_ids, decode.positions, tables, self.block_size)
         scheduled = out.scheduled
         starts = [s.num_computed_tokens for s in scheduled]
         tables = self.block_tables.gather(scheduled)

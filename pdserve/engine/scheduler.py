@@ -1,4 +1,4 @@
-"""Iteration-level scheduling (pure Python).
+"""Iteration-level scheduling (pure Python, numpy for the columnar decode step).
 
 Each step, in this order:
   1. Running requests (decodes and unfinished chunked prefills), oldest first, each gets its
@@ -12,7 +12,10 @@ Each step, in this order:
      is split over steps (chunked prefill).
 The result is one `SchedulerOutput` (engine/scheduler_output.py), the only thing the model
 runner sees. After the forward, `postprocess` advances the requests, appends sampled tokens and
-retires finished requests.
+retires finished requests. A steady decode (every running request decoding one token, nothing to
+admit) is scheduled and postprocessed as columns instead (`_schedule_decode`, engine/decode_batch.py);
+the general path above stays the definition, and anything it would do differently sends the step
+back to it.
 
 A decode node's requests arrive with their prompt KV computed elsewhere (vLLM's
 WAITING_FOR_REMOTE_KVS). The scheduler owns those states too, and the blocks they hold:
@@ -44,8 +47,12 @@ import bisect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.decode_batch import DecodeBatch, DecodeStep
 from pdserve.engine.request import FINISHED, Request, RequestStatus
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.scheduling_policy import (
@@ -102,6 +109,10 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # prompt positions whose KV a forward computed here (totals)
         self.num_tokens_sampled = 0
         self.spec_stats = SpecDecodeStats()  # speculative decoding: drafts verified and accepted
+        # Steady decode steps as columns (engine/decode_batch.py); False: every step takes the
+        # general path (the tests compare the two).
+        self.decode_columns = True
+        self._decode_batch: DecodeBatch | None = None  # the running batch's constants, as columns
 
     # ---- queue management ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -234,6 +245,13 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        batch, carried = self._decode_batch, None
+        if batch is not None:  # its columns hold for the step right after its own only
+            carried, batch.carried = batch.carried, None
+        decode = self._schedule_decode(carried) if self.decode_columns else None
+        if decode is not None:
+            out.decode, out.num_batched_tokens = decode, len(decode)
+            return out
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_request_ids:
             budget = self._schedule_swapped(out, budget)
@@ -268,6 +286,53 @@ class Scheduler:
             budget -= num_new + lookahead
             i += 1
         return budget
+
+    def _schedule_decode(self, carried: tuple | None) -> DecodeStep | None:
+        """The step as columns when it is a steady decode: every running request decoding one
+        token, nothing to admit, no drafts, forks or copy-on-writes, room for every new block.
+        None: the general path decides the step (it gives the same step where this one applies;
+        blocks this one allocated before finding it does not are what the general path would
+        allocate first, in the same order). `carried`: the columns the last step's postprocess
+        left (positions, token ids, block counts), when that step was this batch's columnar one:
+        nothing but the scheduler changes a running request, and anything that changes the running
+        list makes a new batch, so then no request is read at all."""
+        running, config, bm = self.running, self.config, self.block_manager
+        if not running or config.num_lookahead_tokens or self.parents or len(running) > config.max_num_batched_tokens:
+            return None
+        if self.swapped:  # as _schedule_swapped / _schedule_waiting: nothing is admitted without a seat
+            if self._has_seat(self.swapped[0]):
+                return None
+        elif self.waiting and self._has_seat(self.waiting[0]):
+            return None
+        batch = self._decode_batch
+        if batch is None or batch.requests != running:  # compares identities: a few ns a request
+            batch, carried = DecodeBatch(running, self.eos_token_ids), None
+            self._decode_batch = batch
+        ids, tables = batch.request_ids, bm.tables
+        if carried is not None:
+            positions, token_ids, num_blocks = carried
+        else:  # read from the requests
+            positions = np.array([r.num_computed_tokens for r in running], dtype=np.int64)
+            lengths = np.array([len(r.all_token_ids) for r in running], dtype=np.int64)
+            lengths -= positions
+            if (lengths != 1).any():  # a prompt chunk left (or KV of a token not yet computed)
+                return None
+            try:
+                num_blocks = np.array([len(tables[i]) for i in ids], dtype=np.int64)
+            except KeyError:  # a request without blocks yet
+                return None
+            token_ids = np.array([r.all_token_ids[-1] for r in running], dtype=np.int64)
+        for request_id in bm.forked.intersection(ids):  # choices of n > 1 requests (few)
+            position = int(positions[ids.index(request_id)])
+            if bm.shares_blocks_in(request_id, position, position + 1):
+                return None  # a copy-on-write: the general path's
+        grown = np.flatnonzero(positions >= num_blocks * bm.block_size).tolist()  # one request in block_size
+        for i in grown:
+            target = int(positions[i]) + 1
+            if not bm.can_allocate(ids[i], target, write_from=target - 1):
+                return None  # a preemption: the general path's
+            num_blocks[i] = len(bm.allocate(ids[i], target))
+        return DecodeStep(batch, positions, token_ids, num_blocks, grown, tables, carried is not None)
 
     def _grow(self, out: SchedulerOutput, request: Request, target: int, budget: int, i: int) -> tuple[int, int, bool]:
         """Give running[i] blocks (and copy-on-writes) for `target` tokens, preempting the
@@ -390,6 +455,8 @@ class Scheduler:
         """Advance every scheduled request; `sampled` maps request id → (token, logprobs) for
         those that sampled. Returns the requests that finished this step (blocks released), and
         lists in `out.stepped` every request that got new tokens (an n > 1 parent's children)."""
+        if out.decode is not None:
+            return self._postprocess_decode(out, sampled)
         finished, stepped = [], out.stepped
         bm = self.block_manager
         caching, keys, block_size = bm.enable_prefix_caching, bm.keys, bm.block_size
@@ -425,6 +492,55 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def _postprocess_decode(self, out: SchedulerOutput, sampled) -> list[Request]:
+        """`postprocess` of a columnar decode step; `sampled` is (token ids [S], logprobs [S] or
+        None) in batch order (ModelRunner's decode sampling), or the general path's mapping."""
+        decode = out.decode
+        batch, requests = decode.batch, decode.requests
+        if isinstance(sampled, dict) or self.running != requests:  # a request left while the step ran
+            if not isinstance(sampled, dict):
+                token_ids, logprobs = sampled
+                sampled = dict(zip(batch.request_ids, zip(token_ids, logprobs or repeat(None))))
+            out.decode = None
+            out.items = decode.items()
+            return self.postprocess(out, sampled)
+        token_ids, logprobs = sampled
+        computed = decode.positions + 1
+        for request, num_computed, token_id in zip(requests, computed.tolist(), token_ids):
+            request.num_computed_tokens = num_computed  # _accept's appends, inlined: every request, every step
+            request.output_token_ids.append(token_id)
+            request.all_token_ids.append(token_id)
+            request.num_new_output_tokens = 1
+        if logprobs is not None:
+            for request, entry in zip(requests, logprobs):
+                if entry is not None:
+                    request.output_logprobs.append(entry)
+        self.num_tokens_sampled += len(requests)
+        bm, ids = self.block_manager, batch.request_ids
+        if bm.enable_prefix_caching:  # keys for the blocks that became full
+            if decode.carried:  # the last postprocess keyed every full block: only those filled now
+                lagging = np.flatnonzero(computed % bm.block_size == 0)
+            else:
+                keys = bm.keys
+                num_keys = np.array([len(keys.get(i, ())) for i in ids], dtype=np.int64)
+                lagging = np.flatnonzero(num_keys < computed // bm.block_size)
+            for i in lagging.tolist():
+                bm.cache_full_blocks(ids[i], requests[i].all_token_ids, int(computed[i]))
+        # Rows that may have ended (a stop id drawn, max_tokens or max_model_len reached) get the
+        # exact check; the rest cannot have.
+        token_array = np.array(token_ids, dtype=np.int64)
+        num_tokens = computed + 1
+        flagged = (num_tokens - batch.prompt_lens >= batch.max_tokens) | (num_tokens >= self.config.max_model_len)
+        if batch.stop_ids.size:
+            flagged |= np.isin(token_array, batch.stop_ids)
+        finished = []
+        for i in np.flatnonzero(flagged).tolist():
+            if self._check_stop(requests[i], token_ids[i]):
+                finished.append(requests[i])
+        batch.carried = (computed, token_array, decode.num_blocks)  # the next step's, if the batch is unchanged
+        out.stepped[:] = requests
+        return finished
+
     def _accept_verified(self, item: ScheduledRequest, emitted) -> bool:
         """A speculative step emitted its accepted drafts and one token of the target's: append
         them, each with its stop check; the accepted drafts' KV counts as computed, and the slots
@@ -452,6 +568,11 @@ class Scheduler:
             request.output_logprobs.append(logprobs)
         request.num_new_output_tokens = 1
         self.num_tokens_sampled += sampled_here
+        return self._check_stop(request, token_id)
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """After `token_id` was appended: finish the request (blocks released) and return True
+        when it ended it: EOS, a stop token id, max_tokens or max_model_len."""
         params = request.params
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             self.finish(request, RequestStatus.FINISHED_STOPPED)

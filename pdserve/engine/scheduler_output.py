@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from pdserve.engine.decode_batch import DecodeStep
 
 
 @dataclass(slots=True)
@@ -24,7 +28,10 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    items: list[ScheduledRequest] = field(default_factory=list)  # batch order (read `scheduled`)
+    # A steady decode step of the whole running batch, as columns (engine/decode_batch.py); then
+    # `items` is empty until `scheduled` is read.
+    decode: DecodeStep | None = None
     num_batched_tokens: int = 0  # sum of num_new_tokens
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), before the forward
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), after swap-outs
@@ -36,8 +43,15 @@ class SchedulerOutput:
     stepped: list[Request] = field(default_factory=list)  # set by postprocess: requests given new tokens
 
     @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """The step's chunks, request by request (a columnar decode step's built on first read)."""
+        if self.decode is not None and not self.items:
+            self.items = self.decode.items()
+        return self.items
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return self.decode is None and not self.items
 
     def cancel_copies(self, block_ids: Iterable[int]) -> dict[int, int]:
         """Cancel the copy-on-writes into `block_ids` (a request preempted in the step they were

@@ -1,0 +1,88 @@
+"""A decode step of the whole running batch, as columns: the steady state of serving.
+
+Most steps of a busy engine are the same requests decoding one token each. The general path
+(scheduler.py) builds a `ScheduledRequest` per request and step, the runner reads its fields one
+by one, and `postprocess` runs each request's stop checks in Python: ~4 us a request, the whole
+host cost of a step at batch 256. When the running batch is a steady decode the scheduler builds
+a `DecodeStep` instead: a few attribute gathers (one list comprehension each) and numpy columns,
+with the per-request constants (ids, prompt lengths, max_tokens, stop ids) kept in a
+`DecodeBatch` for as long as the running list holds the same requests in the same order.
+
+    schedule:     positions = computed tokens, one new slot each; blocks only where a request
+                  crosses into a new block (its table is the block manager's own list)
+    runner:       host batch from the columns; all-greedy batches: one argmax, a list of ids back
+    postprocess:  one loop appending tokens; stop and length checks as array compares, the exact
+                  per-request check only for the rows they flag
+
+Anything else (a prompt chunk, a request to admit, drafts, a fork, a preemption) takes the
+general path, which stays the definition: the scheduler tests run the same workloads both ways
+and compare every token and block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import repeat
+
+import numpy as np
+
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler_output import ScheduledRequest
+
+
+class DecodeBatch:
+    """The running requests' per-request constants, as columns (valid while `requests` is the
+    running list: same objects, same order; the scheduler compares the lists every step)."""
+
+    def __init__(self, requests: list[Request], eos_token_ids: frozenset[int]) -> None:
+        self.requests = list(requests)
+        self.request_ids = [r.request_id for r in requests]
+        params = [r.params for r in requests]
+        self.prompt_lens = np.array([len(r.prompt_token_ids) for r in requests], dtype=np.int64)
+        self.max_tokens = np.array([p.max_tokens for p in params], dtype=np.int64)
+        # Every token id that may end one of them; a row sampling one gets the exact check.
+        stop = set().union(*(p.stop_token_ids for p in params))
+        if not all(p.ignore_eos for p in params):
+            stop |= eos_token_ids
+        self.stop_ids = np.array(sorted(stop), dtype=np.int64)
+        self.all_plain_greedy = all(r.is_plain_greedy for r in requests)
+        # (positions, token ids, block counts) for the next step, left by a columnar postprocess
+        # of this batch and taken by the next schedule (scheduler.py says why they can be trusted).
+        self.carried: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """One step: every request of `batch` feeds its last token at position = its computed tokens."""
+
+    batch: DecodeBatch
+    positions: np.ndarray  # [S] int64: each request's computed tokens, where its new token goes
+    token_ids: np.ndarray  # [S] int64: the tokens fed, each request's last
+    num_blocks: np.ndarray  # [S] int64: the blocks each request holds for this step
+    grown: list[int]  # indices of the requests given a block this step (the only tables that changed
+    # since the last step, when that step was a columnar one of the same batch)
+    tables: dict[str, list[int]]  # the block manager's tables (request id -> block ids), live
+    carried: bool  # scheduled from the columns the last step left (engine/scheduler.py)
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.batch.requests
+
+    @property
+    def request_ids(self) -> list[str]:
+        return self.batch.request_ids
+
+    @property
+    def block_lists(self) -> list[list[int]]:
+        """[S] each request's block table (the block manager's live lists, looked up when asked:
+        empty for a request that has left since the step was scheduled)."""
+        tables = self.tables
+        return [tables.get(i, []) for i in self.batch.request_ids]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def items(self) -> list[ScheduledRequest]:
+        """The same step as the general path's per-request items (built only when asked for)."""
+        return list(map(ScheduledRequest, self.batch.requests, self.positions.tolist(), repeat(1), self.block_lists,
+                        repeat(True)))
