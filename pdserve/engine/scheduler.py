@@ -311,6 +311,7 @@ class Scheduler:
         ids, tables = batch.request_ids, bm.tables
         if carried is not None:
             positions, token_ids, num_blocks = carried
+            num_blocks = num_blocks.copy()  # the last step's own stays as it was
         else:  # read from the requests
             positions = np.array([r.num_computed_tokens for r in running], dtype=np.int64)
             lengths = np.array([len(r.all_token_ids) for r in running], dtype=np.int64)
