@@ -1,22 +1,25 @@
-"""A decode step of the whole running batch, as columns: the steady state of serving.
+"""A decode step of the whole running batch, as columns: the steady state of decoding.
 
-Most steps of a busy engine are the same requests decoding one token each. The general path
-(scheduler.py) builds a `ScheduledRequest` per request and step, the runner reads its fields one
-by one, and `postprocess` runs each request's stop checks in Python: ~4 us a request, the whole
-host cost of a step at batch 256. When the running batch is a steady decode the scheduler builds
-a `DecodeStep` instead: a few attribute gathers (one list comprehension each) and numpy columns,
-with the per-request constants (ids, prompt lengths, max_tokens, stop ids) kept in a
-`DecodeBatch` for as long as the running list holds the same requests in the same order.
+Most steps of a decode node, and of any engine between admissions, are the same requests decoding
+one token each. The general path (scheduler.py) builds a `ScheduledRequest` per request and step,
+the runner reads its fields one by one, and `postprocess` runs each request's stop checks in
+Python: ~4 us a request, the whole host cost of a step at batch 256. When the running batch is a
+steady decode the scheduler builds a `DecodeStep` instead: numpy columns, with the per-request
+constants (ids, prompt lengths, max_tokens, stop ids) kept in a `DecodeBatch` for as long as the
+running list holds the same requests in the same order.
 
     schedule:     positions = computed tokens, one new slot each; blocks only where a request
-                  crosses into a new block (its table is the block manager's own list)
-    runner:       host batch from the columns; all-greedy batches: one argmax, a list of ids back
+                  crosses into a new block. The columns come from the last step's postprocess
+                  when it was this batch's (`DecodeBatch.carried`): no request is read at all;
+                  else one attribute gather per column.
+    runner:       host batch from the columns; block-table rows rewritten only where a table
+                  grew (input_batch.py); all-greedy batches: one argmax, a list of ids back
     postprocess:  one loop appending tokens; stop and length checks as array compares, the exact
-                  per-request check only for the rows they flag
+                  per-request check only for the rows they flag; the next step's columns left
 
-Anything else (a prompt chunk, a request to admit, drafts, a fork, a preemption) takes the
-general path, which stays the definition: the scheduler tests run the same workloads both ways
-and compare every token and block.
+Anything else (a prompt chunk, a request to admit, drafts, a fork's copy-on-write, a preemption)
+takes the general path, which stays the definition: the tests run random workloads both ways and
+compare every step's chunks, tokens and blocks (tests/engine/test_decode_batch.py).
 """
 
 from __future__ import annotations
