@@ -53,6 +53,42 @@ class DecodeBatch:
         # of this batch and taken by the next schedule (scheduler.py says why they can be trusted).
         self.carried: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
+    @classmethod
+    def following(cls, old: DecodeBatch | None, requests: list[Request], eos_token_ids: frozenset[int],
+                  carried: tuple | None) -> tuple[DecodeBatch, tuple | None]:
+        """The batch of `requests`, and `carried` (the last step's columns, for `old`'s rows) cut
+        to the rows still there. Where `requests` is `old`'s in its order less some (finished,
+        aborted), then new ones (a decode node's arrivals), `old`'s constants and columns are
+        kept for the first part and only the new requests are read; otherwise built afresh (and
+        nothing carried)."""
+        if old is None:
+            return cls(requests, eos_token_ids), None
+        where = {r: i for i, r in enumerate(old.requests)}  # Request compares by identity
+        keep = []
+        for r in requests:
+            i = where.get(r)
+            if i is None:
+                break
+            keep.append(i)
+        num = len(keep)
+        joined = requests[num:]
+        if not num or any(r in where for r in joined) or any(a >= b for a, b in zip(keep, keep[1:])):
+            return cls(requests, eos_token_ids), None
+        new = cls(joined, eos_token_ids) if joined else None
+        index = np.array(keep, dtype=np.intp)
+        batch = cls.__new__(cls)
+        batch.requests = list(requests)
+        batch.request_ids = [old.request_ids[i] for i in keep] + (new.request_ids if new else [])
+        batch.prompt_lens = np.concatenate([old.prompt_lens[index]] + ([new.prompt_lens] if new else []))
+        batch.max_tokens = np.concatenate([old.max_tokens[index]] + ([new.max_tokens] if new else []))
+        # A superset of the stop ids is sound (flagged rows get the exact check): the old ones stay.
+        batch.stop_ids = np.union1d(old.stop_ids, new.stop_ids) if new else old.stop_ids
+        batch.all_plain_greedy = all(r.is_plain_greedy for r in requests)
+        batch.carried = None
+        if carried is not None:
+            carried = tuple(column[index] for column in carried)
+        return batch, carried
+
 
 @dataclass(slots=True)
 class DecodeStep:
@@ -65,7 +101,7 @@ class DecodeStep:
     grown: list[int]  # indices of the requests given a block this step (the only tables that changed
     # since the last step, when that step was a columnar one of the same batch)
     tables: dict[str, list[int]]  # the block manager's tables (request id -> block ids), live
-    carried: bool  # scheduled from the columns the last step left (engine/scheduler.py)
+    num_carried: int  # the first rows' columns came from the last step's (engine/scheduler.py)
 
     @property
     def requests(self) -> list[Request]:

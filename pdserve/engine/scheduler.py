@@ -91,6 +91,21 @@ def _order(request: Request) -> tuple[int, int]:
     return (request.priority, request.arrival_seq)
 
 
+def _read_columns(requests: list[Request], ids: list[str], tables: dict[str, list[int]]):
+    """(positions, fed tokens, block counts) of requests each decoding one token, read from them;
+    None when one is not (a prompt chunk left) or holds no blocks yet."""
+    positions = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+    lengths = np.array([len(r.all_token_ids) for r in requests], dtype=np.int64)
+    lengths -= positions
+    if (lengths != 1).any():
+        return None
+    try:
+        num_blocks = np.array([len(tables[i]) for i in ids], dtype=np.int64)
+    except KeyError:
+        return None
+    return positions, np.array([r.all_token_ids[-1] for r in requests], dtype=np.int64), num_blocks
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eos_token_ids: Iterable[int] = ()):
         self.config = config
@@ -293,9 +308,10 @@ class Scheduler:
         None: the general path decides the step (it gives the same step where this one applies;
         blocks this one allocated before finding it does not are what the general path would
         allocate first, in the same order). `carried`: the columns the last step's postprocess
-        left (positions, token ids, block counts), when that step was this batch's columnar one:
-        nothing but the scheduler changes a running request, and anything that changes the running
-        list makes a new batch, so then no request is read at all."""
+        left (positions, token ids, block counts), when that step was a columnar one: nothing but
+        the scheduler changes a running request, so they hold for every request of that step
+        still running (`DecodeBatch.following` keeps those rows); only requests that joined since
+        (a decode node's arrivals, at the end of the running list) are read."""
         running, config, bm = self.running, self.config, self.block_manager
         if not running or config.num_lookahead_tokens or self.parents or len(running) > config.max_num_batched_tokens:
             return None
@@ -306,23 +322,21 @@ class Scheduler:
             return None
         batch = self._decode_batch
         if batch is None or batch.requests != running:  # compares identities: a few ns a request
-            batch, carried = DecodeBatch(running, self.eos_token_ids), None
+            batch, carried = DecodeBatch.following(batch, running, self.eos_token_ids, carried)
             self._decode_batch = batch
         ids, tables = batch.request_ids, bm.tables
-        if carried is not None:
+        num_carried = 0 if carried is None else len(carried[0])
+        read = _read_columns(running[num_carried:], ids[num_carried:], tables) if num_carried < len(running) else None
+        if num_carried < len(running) and read is None:
+            return None  # a prompt chunk left, or a request without blocks yet
+        if carried is None:
+            positions, token_ids, num_blocks = read
+        else:
             positions, token_ids, num_blocks = carried
             num_blocks = num_blocks.copy()  # the last step's own stays as it was
-        else:  # read from the requests
-            positions = np.array([r.num_computed_tokens for r in running], dtype=np.int64)
-            lengths = np.array([len(r.all_token_ids) for r in running], dtype=np.int64)
-            lengths -= positions
-            if (lengths != 1).any():  # a prompt chunk left (or KV of a token not yet computed)
-                return None
-            try:
-                num_blocks = np.array([len(tables[i]) for i in ids], dtype=np.int64)
-            except KeyError:  # a request without blocks yet
-                return None
-            token_ids = np.array([r.all_token_ids[-1] for r in running], dtype=np.int64)
+            if read is not None:  # requests that joined since the last step, at the end
+                positions, token_ids, num_blocks = (np.concatenate(pair) for pair in
+                                                    zip((positions, token_ids, num_blocks), read))
         for request_id in bm.forked.intersection(ids):  # choices of n > 1 requests (few)
             position = int(positions[ids.index(request_id)])
             if bm.shares_blocks_in(request_id, position, position + 1):
@@ -333,7 +347,7 @@ class Scheduler:
             if not bm.can_allocate(ids[i], target, write_from=target - 1):
                 return None  # a preemption: the general path's
             num_blocks[i] = len(bm.allocate(ids[i], target))
-        return DecodeStep(batch, positions, token_ids, num_blocks, grown, tables, carried is not None)
+        return DecodeStep(batch, positions, token_ids, num_blocks, grown, tables, num_carried)
 
     def _grow(self, out: SchedulerOutput, request: Request, target: int, budget: int, i: int) -> tuple[int, int, bool]:
         """Give running[i] blocks (and copy-on-writes) for `target` tokens, preempting the
@@ -519,13 +533,14 @@ class Scheduler:
         self.num_tokens_sampled += len(requests)
         bm, ids = self.block_manager, batch.request_ids
         if bm.enable_prefix_caching:  # keys for the blocks that became full
-            if decode.carried:  # the last postprocess keyed every full block: only those filled now
-                lagging = np.flatnonzero(computed % bm.block_size == 0)
-            else:
+            # Carried rows: the last postprocess keyed every full block, so only those filled now.
+            num = decode.num_carried
+            lagging = np.flatnonzero(computed[:num] % bm.block_size == 0).tolist()
+            if num < len(ids):
                 keys = bm.keys
-                num_keys = np.array([len(keys.get(i, ())) for i in ids], dtype=np.int64)
-                lagging = np.flatnonzero(num_keys < computed // bm.block_size)
-            for i in lagging.tolist():
+                num_keys = np.array([len(keys.get(i, ())) for i in ids[num:]], dtype=np.int64)
+                lagging += (np.flatnonzero(num_keys < computed[num:] // bm.block_size) + num).tolist()
+            for i in lagging:
                 bm.cache_full_blocks(ids[i], requests[i].all_token_ids, int(computed[i]))
         # Rows that may have ended (a stop id drawn, max_tokens or max_model_len reached) get the
         # exact check; the rest cannot have.

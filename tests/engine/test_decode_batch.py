@@ -180,7 +180,7 @@ def test_logprobs_columns_are_appended_per_row():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, 14), st.integers(1, 14), st.integers(0, 3), st.booleans()),
+    st.lists(st.tuples(st.integers(1, 14), st.integers(1, 14), st.integers(0, 3), st.booleans(), st.booleans()),
              min_size=1, max_size=10),
     st.integers(0, 4),
     st.sampled_from([0, 16]),
@@ -191,10 +191,11 @@ def test_logprobs_columns_are_appended_per_row():
 )
 def test_random_workloads_give_the_same_steps_both_ways(specs, max_seqs_extra, host_blocks, prefix, abort_at,
                                                         abort_mid_step, arrivals_every):
-    """Property: the same workload (bursts of arrivals, EOS and stop ids, max_tokens, a tight pool
-    with preemption by recompute or swap, prefix caching, aborts between steps and while a step
-    runs) through two schedulers, columns on and off: every step schedules the same chunks and
-    blocks, and every request ends the same, with the same tokens; nothing leaks."""
+    """Property: the same workload (bursts of arrivals, some with their prompt KV from elsewhere
+    as a decode node's join the batch, EOS and stop ids, max_tokens, a tight pool with preemption
+    by recompute or swap, prefix caching, aborts between steps and while a step runs) through two
+    schedulers, columns on and off: every step schedules the same chunks and blocks, and every
+    request ends the same, with the same tokens; nothing leaks."""
     scheds = []
     for columns in (True, False):
         sched = make_scheduler(num_blocks=14, block_size=4, max_num_batched_tokens=16,
@@ -203,7 +204,10 @@ def test_random_workloads_give_the_same_steps_both_ways(specs, max_seqs_extra, h
         sched.decode_columns = columns
         reqs = [make_request([(family * 7 + j) % 11 + 1 for j in range(n)], max_tokens=max_tokens, request_id=f"q{i}",
                              stop_token_ids=[5] if stops else [])
-                for i, (n, max_tokens, family, stops) in enumerate(specs)]
+                for i, (n, max_tokens, family, stops, _) in enumerate(specs)]
+        for r, (*_, remote) in zip(reqs, specs):
+            if remote:  # prompt KV computed elsewhere: its first token drawn there
+                r.append_output((len(r.prompt_token_ids) * 5) % 13)
         scheds.append((sched, reqs, list(reqs)))
     kept = PersistentBlockTables(2)  # the runner's block tables, fed the columnar scheduler's steps
     for step in range(3000):
@@ -212,7 +216,10 @@ def test_random_workloads_give_the_same_steps_both_ways(specs, max_seqs_extra, h
         views = []
         for sched, reqs, pending in scheds:
             if pending and step % arrivals_every == 0:
-                sched.add_request(pending.pop(0))
+                request = pending.pop(0)
+                sched.add_remote(request) if request.num_output_tokens else sched.add_request(request)
+            for request in sched.schedule_remote_kv():  # its KV arrives at once: it joins the batch
+                sched.remote_kv_done(request.request_id)
             if step in abort_at:
                 sched.abort(reqs[step % len(reqs)].request_id)
             out = sched.schedule()
