@@ -63,30 +63,32 @@ class DecodeBatch:
         nothing carried)."""
         if old is None:
             return cls(requests, eos_token_ids), None
-        where = {r: i for i, r in enumerate(old.requests)}  # Request compares by identity
-        keep = []
-        for r in requests:
-            i = where.get(r)
-            if i is None:
-                break
-            keep.append(i)
-        num = len(keep)
-        joined = requests[num:]
-        if not num or any(r in where for r in joined) or any(a >= b for a, b in zip(keep, keep[1:])):
+        where = dict(zip(old.requests, range(len(old.requests))))  # Request compares by identity
+        found = np.fromiter(map(where.get, requests, repeat(-1)), dtype=np.intp, count=len(requests))
+        missing = np.flatnonzero(found < 0)
+        num = int(missing[0]) if missing.size else len(requests)  # the leading requests that were old's
+        keep = found[:num]
+        if not num or len(missing) != len(requests) - num or (num > 1 and (np.diff(keep) <= 0).any()):
             return cls(requests, eos_token_ids), None
+        joined = requests[num:]
         new = cls(joined, eos_token_ids) if joined else None
-        index = np.array(keep, dtype=np.intp)
         batch = cls.__new__(cls)
         batch.requests = list(requests)
-        batch.request_ids = [old.request_ids[i] for i in keep] + (new.request_ids if new else [])
-        batch.prompt_lens = np.concatenate([old.prompt_lens[index]] + ([new.prompt_lens] if new else []))
-        batch.max_tokens = np.concatenate([old.max_tokens[index]] + ([new.max_tokens] if new else []))
+        batch.request_ids = list(map(old.request_ids.__getitem__, keep.tolist()))
+        batch.prompt_lens, batch.max_tokens = old.prompt_lens[keep], old.max_tokens[keep]
         # A superset of the stop ids is sound (flagged rows get the exact check): the old ones stay.
-        batch.stop_ids = np.union1d(old.stop_ids, new.stop_ids) if new else old.stop_ids
-        batch.all_plain_greedy = all(r.is_plain_greedy for r in requests)
+        batch.stop_ids = old.stop_ids
+        batch.all_plain_greedy = old.all_plain_greedy or all(r.is_plain_greedy for r in requests)
+        if new is not None:
+            batch.request_ids += new.request_ids
+            batch.prompt_lens = np.concatenate([batch.prompt_lens, new.prompt_lens])
+            batch.max_tokens = np.concatenate([batch.max_tokens, new.max_tokens])
+            if new.stop_ids.size:
+                batch.stop_ids = np.union1d(old.stop_ids, new.stop_ids)
+            batch.all_plain_greedy = batch.all_plain_greedy and new.all_plain_greedy
         batch.carried = None
         if carried is not None:
-            carried = tuple(column[index] for column in carried)
+            carried = tuple(column[keep] for column in carried)
         return batch, carried
 
 

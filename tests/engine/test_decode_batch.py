@@ -319,3 +319,39 @@ def test_the_engine_gives_the_same_outputs_with_and_without_columns(tiny_llama):
     assert with_columns == without and len(with_columns) == 7  # n = 2: two choices
     assert sum(kinds) >= 5 and not any(plain_kinds)
     assert any(metrics["num_preemptions"] for *_, metrics in with_columns.values())
+
+
+def test_a_following_batch_has_the_constants_of_a_fresh_one():
+    """`DecodeBatch.following` (requests left, others joined at the end) against a batch built
+    afresh: the same ids, prompt lengths, max_tokens and greedy flag; stop ids a superset (rows
+    drawing one get the exact check); the carried columns cut to the rows still there; anything
+    but removals then arrivals is built afresh with nothing carried."""
+    import random
+
+    import numpy as np
+
+    from pdserve.engine.decode_batch import DecodeBatch
+
+    rng, eos = random.Random(5), frozenset([3])
+    pool = [make_request(num_tokens=rng.randint(1, 9), max_tokens=rng.randint(1, 50), request_id=f"f{i}",
+                         stop_token_ids=rng.sample(range(20), rng.randint(0, 2)), ignore_eos=rng.random() < 0.5,
+                         temperature=rng.choice([0, 0, 0.7])) for i in range(60)]
+    for _ in range(200):
+        old_reqs = rng.sample(pool, rng.randint(1, 12))
+        old = DecodeBatch(old_reqs, eos)
+        carried = tuple(np.arange(len(old_reqs)) * k for k in (1, 2, 3))
+        kept = [r for r in old_reqs if rng.random() < 0.8]
+        joined = rng.sample([r for r in pool if r not in old_reqs], rng.randint(0, 3))
+        running = kept + joined if rng.random() < 0.9 else joined + kept
+        batch, cut = DecodeBatch.following(old, running, eos, carried)
+        fresh = DecodeBatch(running, eos)
+        assert batch.request_ids == fresh.request_ids and batch.all_plain_greedy == fresh.all_plain_greedy
+        assert (batch.prompt_lens == fresh.prompt_lens).all() and (batch.max_tokens == fresh.max_tokens).all()
+        assert set(fresh.stop_ids.tolist()) <= set(batch.stop_ids.tolist())
+        prefix_kept = running[: len(kept)] == kept and kept
+        if cut is None:
+            assert not prefix_kept or not running
+        else:
+            assert prefix_kept
+            rows = [old_reqs.index(r) for r in kept]
+            assert [c.tolist() for c in cut] == [[k * i for i in rows] for k in (1, 2, 3)]
