@@ -233,10 +233,10 @@ class ModelRunner:
         self.timings.sample = perf_counter() - sample_start
         return sampled
 
-    def _sample_decode(self, logits: torch.Tensor, decode: DecodeStep) -> tuple[list[int], list | None]:
+    def _sample_decode(self, logits: torch.Tensor, decode: DecodeStep) -> tuple:
         """A columnar decode step's draws: (token ids, logprobs or None) in batch order."""
         if decode.batch.all_plain_greedy:
-            return argmax_rows(logits).tolist(), None
+            return argmax_rows(logits).cpu().numpy(), None  # the scheduler keeps the array as the next step's input
         rows = [SamplingInput(r.params, *r.sampling_view()) for r in decode.requests]
         result = self.sampler(logits, rows)
         return result.token_ids, result.logprobs

@@ -508,18 +508,20 @@ class Scheduler:
         return finished
 
     def _postprocess_decode(self, out: SchedulerOutput, sampled) -> list[Request]:
-        """`postprocess` of a columnar decode step; `sampled` is (token ids [S], logprobs [S] or
-        None) in batch order (ModelRunner's decode sampling), or the general path's mapping."""
+        """`postprocess` of a columnar decode step; `sampled` is (token ids [S] as a list or int64
+        array, logprobs [S] or None) in batch order (ModelRunner's decode sampling), or the
+        general path's mapping."""
         decode = out.decode
         batch, requests = decode.batch, decode.requests
         if isinstance(sampled, dict) or self.running != requests:  # a request left while the step ran
             if not isinstance(sampled, dict):
-                token_ids, logprobs = sampled
-                sampled = dict(zip(batch.request_ids, zip(token_ids, logprobs or repeat(None))))
+                token_ids = np.asarray(sampled[0], dtype=np.int64).tolist()  # Python ints in the outputs
+                sampled = dict(zip(batch.request_ids, zip(token_ids, sampled[1] or repeat(None))))
             out.decode = None
             out.items = decode.items()
             return self.postprocess(out, sampled)
-        token_ids, logprobs = sampled
+        token_array = np.asarray(sampled[0], dtype=np.int64)  # the runner's argmax: no copy
+        token_ids, logprobs = token_array.tolist(), sampled[1]
         computed = decode.positions + 1
         for request, num_computed, token_id in zip(requests, computed.tolist(), token_ids):
             request.num_computed_tokens = num_computed  # _accept's appends, inlined: every request, every step
@@ -544,7 +546,6 @@ class Scheduler:
                 bm.cache_full_blocks(ids[i], requests[i].all_token_ids, int(computed[i]))
         # Rows that may have ended (a stop id drawn, max_tokens or max_model_len reached) get the
         # exact check; the rest cannot have.
-        token_array = np.array(token_ids, dtype=np.int64)
         num_tokens = computed + 1
         flagged = (num_tokens - batch.prompt_lens >= batch.max_tokens) | (num_tokens >= self.config.max_model_len)
         if batch.stop_ids.size:

@@ -125,8 +125,8 @@ def paged_attention(
     key = None
     if plans is not None and isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) \
             and isinstance(v_cache, torch.Tensor) and (out is None or isinstance(out, torch.Tensor)):
-        key = ("checked", backend, *((t.shape, t.dtype, t.device) for t in (q, k_cache, v_cache)),
-               None if out is None else (out.shape, out.dtype, out.device))
+        key = ("checked", backend, q.shape, q.dtype, q.device, k_cache.shape, k_cache.dtype, k_cache.device,
+               v_cache.shape, v_cache.dtype, v_cache.device, None if out is None else (out.shape, out.dtype, out.device))
     impl = None if key is None else plans.get(key)
     if impl is None:
         impl = _checked_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out, backend)
