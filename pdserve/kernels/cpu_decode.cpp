@@ -571,49 +571,92 @@ void check_rows(const torch::Tensor& t, const char* name) {
 // y = x W^T (+ b) for x fp32 [M, K] and W bf16 [N, K], packed once into panels of 16 weight rows,
 // k-major ([N/16][K][16], zero-padded). A panel's 16 columns of y are two vectors: per k, MR rows
 // of x broadcast one value each against the panel's two widened vectors (2 x MR sums in
-// registers, no horizontal sums); each panel comes from memory once and from L1 for the next
+// registers, no horizontal sums); each panel comes from memory once and from cache for the next
 // rows. It reads the bf16 weights, half the bytes of the fp32 copy oneDNN reads for a bf16 model
 // on a CPU without native bf16 (engine/models/cpu_bf16.py), and sums each output in k order in
 // fp32, as a native bf16 GEMM does.
+// With one or two rows the 2 x MR sums would each wait on the last add (a chain of fused
+// multiply-adds, one per k): NP panels are worked on together instead (8 sums in flight), which
+// also reads NP streams of weights at once; each output still sums in k order, so a row gets the
+// same bits in any batch. A group of kGroup panels (72-192 KiB at the default model's depths)
+// stays in L2 while every block of rows passes over it.
 constexpr int64_t kPanel = 16;
+constexpr int64_t kGroup = 4;
 
 #ifdef PDSERVE_AVX2
-template <int MR>
+// Rows [0, MR) of NP adjacent panels (S elements apart); the last panel writes its first `cols`
+// columns.
+template <int MR, int NP>
 void panel_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t ldy, int64_t cols, const float* bias) {
-  __m256 a[MR][2];
-  for (int i = 0; i < MR; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  const int64_t S = K * kPanel;
+  __m256 a[MR][NP][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP; ++j) a[i][j][0] = a[i][j][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const __m256 w0 = load8(w + k * kPanel), w1 = load8(w + k * kPanel + 8);
+    __m256 w0[NP], w1[NP];
+    for (int j = 0; j < NP; ++j) {
+      w0[j] = load8(w + j * S + k * kPanel);
+      w1[j] = load8(w + j * S + k * kPanel + 8);
+    }
     for (int i = 0; i < MR; ++i) {
       const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
-      a[i][0] = _mm256_fmadd_ps(xb, w0, a[i][0]);
-      a[i][1] = _mm256_fmadd_ps(xb, w1, a[i][1]);
+      for (int j = 0; j < NP; ++j) {
+        a[i][j][0] = _mm256_fmadd_ps(xb, w0[j], a[i][j][0]);
+        a[i][j][1] = _mm256_fmadd_ps(xb, w1[j], a[i][j][1]);
+      }
     }
   }
-  for (int i = 0; i < MR; ++i) {
-    alignas(32) float t[kPanel];
-    _mm256_store_ps(t, a[i][0]);
-    _mm256_store_ps(t + 8, a[i][1]);
-    for (int64_t j = 0; j < cols; ++j) y[i * ldy + j] = bias == nullptr ? t[j] : t[j] + bias[j];
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NP; ++j) {
+      alignas(32) float t[kPanel];
+      _mm256_store_ps(t, a[i][j][0]);
+      _mm256_store_ps(t + 8, a[i][j][1]);
+      const int64_t n = j == NP - 1 ? cols : kPanel;
+      float* out = y + i * ldy + j * kPanel;
+      for (int64_t c = 0; c < n; ++c) out[c] = bias == nullptr ? t[c] : t[c] + bias[j * kPanel + c];
+    }
+}
+
+// Rows [0, MR) of `np` panels: NP at a time, then one at a time.
+template <int MR, int NP>
+void rows_over(const float* x, int64_t K, const uint16_t* w, int64_t np, float* y, int64_t ldy, int64_t cols,
+               const float* bias) {
+  int64_t j = 0;
+  for (; j + NP <= np; j += NP)
+    panel_rows<MR, NP>(x, K, w + j * K * kPanel, y + j * kPanel, ldy, j + NP == np ? cols : kPanel,
+                       bias == nullptr ? nullptr : bias + j * kPanel);
+  for (; j < np; ++j)
+    panel_rows<MR, 1>(x, K, w + j * K * kPanel, y + j * kPanel, ldy, j + 1 == np ? cols : kPanel,
+                      bias == nullptr ? nullptr : bias + j * kPanel);
 }
 #endif
 
-// Rows [0, M) of one panel; portable loops without AVX2 (the same order of sums; each product
-// rounded before its add).
-void panel_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, float* y, int64_t ldy, int64_t cols,
-                    const float* bias) {
+// Rows [0, M) of `np` adjacent panels (the last one's first `cols` columns); portable loops
+// without AVX2 (the same order of sums; each product rounded before its add).
+void panel_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t np, float* y, int64_t ldy,
+                    int64_t cols, const float* bias) {
   int64_t m = 0;
 #ifdef PDSERVE_AVX2
-  for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
-  for (; m + 4 <= M; m += 4) panel_rows<4>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
-  for (; m + 2 <= M; m += 2) panel_rows<2>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
-  for (; m < M; ++m) panel_rows<1>(x + m * K, K, w, y + m * ldy, ldy, cols, bias);
+  // blocks of 6 and 4 rows panel by panel (a panel read from memory once, from L1 for the next
+  // block), then the one to three rows left over the whole group, several panels at once
+  const int64_t many = M - M % 6 + (M % 6 >= 4 ? 4 : 0);
+  for (int64_t j = 0; j < np; ++j) {
+    const uint16_t* panel = w + j * K * kPanel;
+    const int64_t c = j + 1 == np ? cols : kPanel;
+    const float* pb = bias == nullptr ? nullptr : bias + j * kPanel;
+    int64_t r = 0;
+    for (; r + 6 <= many; r += 6) panel_rows<6, 1>(x + r * K, K, panel, y + r * ldy + j * kPanel, ldy, c, pb);
+    for (; r + 4 <= many; r += 4) panel_rows<4, 1>(x + r * K, K, panel, y + r * ldy + j * kPanel, ldy, c, pb);
+  }
+  m = many;
+  for (; m + 2 <= M; m += 2) rows_over<2, 2>(x + m * K, K, w, np, y + m * ldy, ldy, cols, bias);
+  for (; m < M; ++m) rows_over<1, 4>(x + m * K, K, w, np, y + m * ldy, ldy, cols, bias);
 #endif
   for (; m < M; ++m) {
-    for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t j = 0; j < np * kPanel - (kPanel - cols); ++j) {
+      const uint16_t* panel = w + (j / kPanel) * K * kPanel;
       float a = 0.f;
-      for (int64_t k = 0; k < K; ++k) a += x[m * K + k] * bf16_to_f32(w[k * kPanel + j]);
+      for (int64_t k = 0; k < K; ++k) a += x[m * K + k] * bf16_to_f32(panel[k * kPanel + j % kPanel]);
       y[m * ldy + j] = bias == nullptr ? a : a + bias[j];
     }
   }
@@ -737,10 +780,13 @@ torch::Tensor gemm_bf16_panels(torch::Tensor x, torch::Tensor panels, int64_t ou
   const float* xp = xc.data_ptr<float>();
   const uint16_t* wp = ptr<uint16_t>(panels);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      panel_all_rows(xp, M, K, wp + p * K * kPanel, yp + p * kPanel, N, std::min(kPanel, N - p * kPanel),
-                     b == nullptr ? nullptr : b + p * kPanel);
+  const int64_t P = panels.size(0);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p += kGroup) {
+      const int64_t np = std::min(kGroup, p1 - p);
+      panel_all_rows(xp, M, K, wp + p * K * kPanel, np, yp + p * kPanel, N,
+                     p + np == P ? N - (P - 1) * kPanel : kPanel, b == nullptr ? nullptr : b + p * kPanel);
+    }
   });
   return y;
 }

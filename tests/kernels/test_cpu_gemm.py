@@ -30,10 +30,13 @@ def reference(x: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor | None) -> 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 16, 8), (2, 17, 24), (3, 15, 40), (5, 40, 1), (6, 33, 576), (7, 1, 9),
-                          (13, 48, 64), (16, 960, 576), (64, 100, 96)])
+                          (13, 48, 64), (16, 960, 576), (64, 100, 96),
+                          # one and two rows over groups of 4 panels, a group's leftovers, a partial last panel
+                          (1, 16 * 9 + 5, 64), (1, 16 * 8, 33), (2, 16 * 7 + 1, 48), (3, 16 * 6, 20), (1, 3, 7)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_panel_gemm_against_a_float64_product(ops, rows, out_features, in_features, with_bias):
-    # rows around the 6/4/2/1-row blocking, widths around the 16-column panels, any depth
+    # rows around the 6/4/2/1-row blocking, widths around the 16-column panels and the 4-panel
+    # groups (with 2 threads, a half of the panels can end inside a group), any depth
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w16 = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g)
@@ -66,12 +69,15 @@ def test_the_panel_gemm_refuses_what_does_not_fit(ops):
 
 def test_a_row_gets_the_same_bits_in_any_batch(ops):
     # each output sums its products in k order whatever the rows around it: batch-invariant
-    w16 = torch.randn(40, 576).bfloat16()
+    # (one and two rows work on several panels at once, more rows on one: the same sums)
+    w16 = torch.randn(200, 576).bfloat16()
     panels = ops.pack_bf16_panels(w16)
     x = torch.randn(13, 576)
-    batch = ops.gemm_bf16_panels(x, panels, 40, None)
+    batch = ops.gemm_bf16_panels(x, panels, 200, None)
     for i in range(13):
-        assert torch.equal(ops.gemm_bf16_panels(x[i : i + 1], panels, 40, None)[0], batch[i])
+        assert torch.equal(ops.gemm_bf16_panels(x[i : i + 1], panels, 200, None)[0], batch[i])
+    for i in range(0, 12, 2):
+        assert torch.equal(ops.gemm_bf16_panels(x[i : i + 2], panels, 200, None), batch[i : i + 2])
 
 
 def test_a_bf16_layer_takes_the_panels_for_a_few_rows_and_onednn_for_more(ops, monkeypatch):

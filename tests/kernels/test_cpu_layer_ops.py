@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models import llama
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from pdserve.engine.parallel import layers
@@ -257,11 +258,32 @@ def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch)
         direct, caches_a = _forward(model, dtype, native=True)
         assert len(direct_calls) == model.config.num_layers  # every layer went straight to its GEMMs
         monkeypatch.setattr(DecoderLayer, "direct_gemms", lambda self, rows: None)
+        model.forget_direct_gemms()  # the model keeps what its layers chose for a row count
         modules, caches_b = _forward(model, dtype, native=True)
     assert len(direct_calls) == model.config.num_layers  # the second forward took the module calls
     assert torch.equal(direct, modules)
     for (ka, va), (kb, vb) in zip(caches_a, caches_b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_model_chooses_its_layers_gemms_once_per_row_count(ops, monkeypatch):
+    model, dtype = _packed_model("bf16-via-fp32", monkeypatch)
+    chosen = []
+    direct_gemms = DecoderLayer.direct_gemms
+    monkeypatch.setattr(DecoderLayer, "direct_gemms", lambda self, rows: chosen.append(rows) or direct_gemms(self, rows))
+    layers_n = model.config.num_layers
+    with mock.patch.dict(cpu_native._state, {"module": ops}):
+        first, _ = _forward(model, dtype, native=True)  # 16 rows
+        again, _ = _forward(model, dtype, native=True)
+        assert chosen == [16] * layers_n and torch.equal(first, again)
+        model.forget_direct_gemms()
+        _forward(model, dtype, native=True)
+        assert chosen == [16] * (2 * layers_n)
+    many = llama.DIRECT_GEMMS_KEPT_ROWS + 1
+    model.layer_gemms(many)
+    model.layer_gemms(many)
+    assert chosen[2 * layers_n:] == [many] * (2 * layers_n)  # too many rows to keep
+    assert model.layer_gemms(3) is model.layer_gemms(3) and len(model.layer_gemms(3)) == layers_n
 
 
 def test_direct_gemms_only_where_the_module_call_is_that_gemm(monkeypatch):

@@ -35,6 +35,7 @@ def main() -> None:
         for _ in range(10):
             for name, times in ms.items():
                 llama.DecoderLayer.direct_gemms = direct_gemms if name == "direct" else (lambda self, rows: None)
+                engine.runner.model.forget_direct_gemms()  # the model keeps its layers' choice per row count
                 steps = []
                 for _ in range(4):
                     start = time.perf_counter()

@@ -19,6 +19,7 @@ slices the full checkpoint tensors. At size 1 that is the whole model, with no c
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable
 
@@ -37,6 +38,10 @@ from pdserve.engine.parallel.layers import (
 from pdserve.engine.parallel.sharding import check_tp, kv_head_range, q_head_range, shard_range
 from pdserve.engine.parallel.state import tp_rank, tp_size
 from pdserve.kernels import cpu_native, paged_attention, store_kv
+
+# Row counts up to this keep their layers' chosen GEMMs (LlamaForCausalLM.layer_gemms): decode
+# batches; a prefill chunk's step is long enough that choosing again does not show.
+DIRECT_GEMMS_KEPT_ROWS = 512
 
 
 class RMSNorm(nn.Module):
@@ -268,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, max_len)
+        # rows -> each layer's direct_gemms(rows), chosen on the first forward of that many rows
+        self._direct_gemms: dict[int, list] = {}
 
     def forward(
         self,
@@ -281,13 +288,28 @@ class LlamaForCausalLM(nn.Module):
         native = cpu_native.load() if x.device.type == "cpu" and x.dtype in cpu_native.DTYPES else None
         residual = None
         direct = native is not None and isinstance(rotary, RotaryRows)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            gemms = layer.direct_gemms(x.shape[0]) if direct else None
+        plans = self.layer_gemms(x.shape[0]) if direct else itertools.repeat(None)
+        for layer, kv_cache, gemms in zip(self.layers, kv_caches, plans):
             if gemms is None:
                 x, residual = layer(positions, x, residual, meta, kv_cache, rotary, native)
             else:
                 x, residual = layer.forward_direct(positions, x, residual, meta, kv_cache, rotary, native, gemms)
         return self.norm.add_norm(x, residual, native)[0]
+
+    def layer_gemms(self, rows: int) -> list[list[Callable[[torch.Tensor], torch.Tensor]] | None]:
+        """Each layer's direct_gemms(rows), chosen once per row count up to DIRECT_GEMMS_KEPT_ROWS
+        (decode batches repeat theirs; choosing costs ~1 ms a step on the default model's 30 layers
+        on a 2-core CPU, 5% of a one-row step). Layers are final once loaded: whatever changes them
+        after a forward (a test, an A/B harness) calls forget_direct_gemms()."""
+        plans = self._direct_gemms.get(rows)
+        if plans is None:
+            plans = [layer.direct_gemms(rows) for layer in self.layers]
+            if rows <= DIRECT_GEMMS_KEPT_ROWS:
+                self._direct_gemms[rows] = plans
+        return plans
+
+    def forget_direct_gemms(self) -> None:
+        self._direct_gemms.clear()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab float32 logits [S, vocab] on every rank (the lm_head gathers the vocab shards)."""
