@@ -27,6 +27,7 @@ Everything is measured here, in one process, as medians of --repeats:
   paired      the median over those steps of step / the GEMM floor's linears (its fastest path)
               run just before that step: the machine's speed drifts by up to 1.5x between
               minutes, and step/floor divides two medians taken minutes apart; a pair is not.
+              At batch 1 also step / the streaming floor at the bandwidth read just before it.
   prefill     one request's --prefill-tokens prompt prefilled in one step (a fresh random prompt
               each repeat), against the GEMM floor of those rows (the lm_head on the one row
               sampled): the share of the step its GEMMs would take at the floor.
@@ -158,16 +159,17 @@ def _run_calls(calls: list) -> float:
     return time.perf_counter() - start
 
 
-def read_bandwidth_gbs(repeats: int, size_mb: int) -> float:
-    """GB/s of a sum over `size_mb` of fp32 (far above the L3, so it streams from DRAM)."""
+def bandwidth_reader(size_mb: int) -> Callable[[], float]:
+    """A call that reads `size_mb` of fp32 once (a sum, far above the L3, so it streams from DRAM)
+    and returns the GB/s it took."""
     x = torch.ones(size_mb * 2**20 // 4)
     x.sum()
-    times = []
-    for _ in range(repeats):
+
+    def read() -> float:
         start = time.perf_counter()
         x.sum()
-        times.append(time.perf_counter() - start)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+        return x.numel() * 4 / (time.perf_counter() - start) / 1e9
+    return read
 
 
 def model_weight_bytes(config, dtype: torch.dtype) -> int:
@@ -184,10 +186,13 @@ def engine_weight_bytes(model) -> int:
                for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)] if t is not None)
 
 
-def engine_step_ms(args, batch: int, floor_calls: list | None = None) -> tuple[float, int, list[float]]:
+def engine_step_ms(args, batch: int, floor_calls: list | None = None,
+                   stream: tuple[Callable[[], float], int] | None = None) -> tuple[float, int, list[float], list[float]]:
     """Median ms of a decode step with `batch` sequences of context_len tokens, the weight bytes, and
     (with `floor_calls`, the GEMM floor's linears, run just before each timed step) each step's time
-    over the floor's time next to it: the machine's speed drifts between minutes, a pair does not."""
+    over the floor's time next to it: the machine's speed drifts between minutes, a pair does not.
+    With `stream` (a bandwidth reader, the weight bytes), also each step's time over the weights'
+    streaming time at the bandwidth read just before it."""
     from pdserve.engine import LLM, SamplingParams
 
     # chunked prefill takes several steps, and a request that has its first token decodes in the rest
@@ -208,17 +213,20 @@ def engine_step_ms(args, batch: int, floor_calls: list | None = None) -> tuple[f
                                params)
         while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
             engine.step()  # prefill every prompt
-        times, ratios = [], []
+        times, ratios, stream_ratios = [], [], []
         for i in range(args.warmup + args.repeats):
             floor_s = _run_calls(floor_calls) if floor_calls is not None else None
+            stream_s = None if stream is None else stream[1] / (stream[0]() * 1e9)
             start = time.perf_counter()
             engine.step()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
                 if floor_s is not None:
                     ratios.append(times[-1] / floor_s)
+                if stream_s is not None:
+                    stream_ratios.append(times[-1] / stream_s)
         assert len(engine.scheduler.running) == batch, "every request decodes in the timed steps"
-        return 1e3 * statistics.median(times), engine_weight_bytes(engine.runner.model), ratios
+        return 1e3 * statistics.median(times), engine_weight_bytes(engine.runner.model), ratios, stream_ratios
     finally:
         llm.close()
 
@@ -262,13 +270,18 @@ def run(args) -> dict:
     torch.set_num_threads(args.num_threads)
     config = ModelConfig.from_pretrained(resolve_model(args.model))
     dtype = parse_dtype(args.dtype)
-    bandwidth = read_bandwidth_gbs(args.repeats, args.bandwidth_mb)
+    reader = bandwidth_reader(args.bandwidth_mb)
+    bandwidth = statistics.median(reader() for _ in range(args.repeats))
+    weight_bytes = model_weight_bytes(config, dtype)
     rows = []
     for batch in args.batch_sizes:
         row = {"batch": batch, **gemm_floor(config, dtype, batch, args.repeats)}
-        row["step_ms"], engine_bytes, ratios = engine_step_ms(args, batch, row.pop("calls"))
+        row["step_ms"], engine_bytes, ratios, stream_ratios = engine_step_ms(
+            args, batch, row.pop("calls"), (reader, weight_bytes) if batch == 1 else None)
         row["step_over_gemm_floor"] = row["step_ms"] / row["gemm_floor_ms"]
         row["paired_step_over_gemm_floor"] = statistics.median(ratios)
+        if stream_ratios:
+            row["paired_step_over_stream"] = statistics.median(stream_ratios)
         rows.append(row)
     prefill = None
     if args.prefill_tokens:
@@ -277,7 +290,6 @@ def run(args) -> dict:
         del prefill["calls"]
         prefill["step_ms"] = engine_prefill_ms(args, args.prefill_tokens)
         prefill["gemm_floor_over_step"] = prefill["gemm_floor_ms"] / prefill["step_ms"]
-    weight_bytes = model_weight_bytes(config, dtype)
     stream_ms = 1e3 * weight_bytes / (bandwidth * 1e9)
     result = {"cpu": cpu_info(), "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
               "context_len": args.context_len, "repeats": args.repeats, "read_bandwidth_gbs": bandwidth,
@@ -285,6 +297,7 @@ def run(args) -> dict:
               "engine_weight_bytes": engine_bytes, "rows": rows, "prefill": prefill}
     one = next((r for r in rows if r["batch"] == 1), None)
     result["batch1_step_over_stream"] = None if one is None else one["step_ms"] / stream_ms
+    result["batch1_paired_step_over_stream"] = None if one is None else one["paired_step_over_stream"]
     return result
 
 
@@ -305,7 +318,8 @@ def report(result: dict) -> None:
               + f" {r['gemm_floor_path']:>22} {r['step_ms']:>8.2f} {r['step_over_gemm_floor']:>10.2f}"
               f" {r['paired_step_over_gemm_floor']:>7.2f}")
     if result["batch1_step_over_stream"] is not None:
-        print(f"batch 1: step / weight streaming = {result['batch1_step_over_stream']:.2f}")
+        print(f"batch 1: step / weight streaming = {result['batch1_step_over_stream']:.2f} (medians); "
+              f"paired {result['batch1_paired_step_over_stream']:.2f}")
     pre = result["prefill"]
     if pre is not None:
         print(f"prefill of {pre['tokens']} tokens: GEMM floor {pre['gemm_floor_ms']:.2f} ms ({pre['gemm_floor_path']}), "

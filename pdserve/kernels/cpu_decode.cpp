@@ -617,7 +617,7 @@ void panel_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t 
     }
 }
 
-// Rows [0, MR) of `np` panels: NP at a time, then one at a time.
+// Rows [0, MR) of `np` panels: NP at a time, then two (where NP is more), then one at a time.
 template <int MR, int NP>
 void rows_over(const float* x, int64_t K, const uint16_t* w, int64_t np, float* y, int64_t ldy, int64_t cols,
                const float* bias) {
@@ -625,6 +625,9 @@ void rows_over(const float* x, int64_t K, const uint16_t* w, int64_t np, float* 
   for (; j + NP <= np; j += NP)
     panel_rows<MR, NP>(x, K, w + j * K * kPanel, y + j * kPanel, ldy, j + NP == np ? cols : kPanel,
                        bias == nullptr ? nullptr : bias + j * kPanel);
+  for (; NP > 2 && j + 2 <= np; j += 2)
+    panel_rows<MR, 2>(x, K, w + j * K * kPanel, y + j * kPanel, ldy, j + 2 == np ? cols : kPanel,
+                      bias == nullptr ? nullptr : bias + j * kPanel);
   for (; j < np; ++j)
     panel_rows<MR, 1>(x, K, w + j * K * kPanel, y + j * kPanel, ldy, j + 1 == np ? cols : kPanel,
                       bias == nullptr ? nullptr : bias + j * kPanel);

@@ -121,7 +121,13 @@ def paged_attention(
     """
     # A step's layers pass the same metadata (the `plans` contract) and caches of one shape: the
     # checks, which read only shapes, dtypes and devices, and the backend are resolved at the
-    # step's first layer and reused (~25 us a layer otherwise).
+    # step's first layer and reused (~25 us a layer otherwise). A step of decodes only on the CPU's
+    # compiled kernel goes straight to it from the second layer on (cpu_attention._DirectDecode).
+    if plans is not None and out is None and backend is None:
+        direct = plans.get(cpu_attention.DIRECT_DECODE)
+        result = None if direct is None else direct(q, k_cache, v_cache, scale)
+        if result is not None:
+            return result
     key = None
     if plans is not None and isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) \
             and isinstance(v_cache, torch.Tensor) and (out is None or isinstance(out, torch.Tensor)):

@@ -40,6 +40,8 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
         assert row["step_ms"] > 0 and row["step_over_gemm_floor"] == pytest.approx(row["step_ms"] / row["gemm_floor_ms"])
         assert row["paired_step_over_gemm_floor"] > 0 and "calls" not in row
     assert result["batch1_step_over_stream"] == pytest.approx(result["rows"][0]["step_ms"] / result["weight_stream_ms"])
+    assert result["batch1_paired_step_over_stream"] == result["rows"][0]["paired_step_over_stream"] > 0
+    assert "paired_step_over_stream" not in result["rows"][1]  # batch 1 only
     pre = result["prefill"]
     assert pre["tokens"] == 48 and pre["step_ms"] > 0 and pre["gemm_floor_ms"] == min(pre["gemm_ms"].values())
     assert pre["gemm_floor_over_step"] == pytest.approx(pre["gemm_floor_ms"] / pre["step_ms"])
@@ -59,11 +61,15 @@ def test_the_paired_ratio_divides_each_step_by_the_floor_run_just_before_it(tmp_
     floors = [9.0, 0.002, 0.004, 0.008]  # seconds the floor "took" before each step (the warm-up's first)
     calls = iter(floors)
     monkeypatch.setattr(cpu_floor, "_run_calls", lambda _: next(calls))
-    step_ms, _, ratios = cpu_floor.engine_step_ms(args, 1, floor_calls=[])
-    assert len(ratios) == 3
+    bandwidths = iter([1.0, 2.0, 4.0, 8.0])  # GB/s read before each step (the warm-up's first)
+    step_ms, _, ratios, stream_ratios = cpu_floor.engine_step_ms(args, 1, floor_calls=[],
+                                                                 stream=(lambda: next(bandwidths), 10**9))
+    assert len(ratios) == 3 and len(stream_ratios) == 3
     step_s = [r * f for r, f in zip(ratios, floors[1:])]  # each timed step over its own floor
     assert 1e3 * statistics.median(step_s) == pytest.approx(step_ms)
-    assert cpu_floor.engine_step_ms(args, 1)[2] == []  # no floor calls, no pairs
+    # and over the streaming time of 1 GB at the bandwidth read just before it: 1/2, 1/4, 1/8 s
+    assert [r * 2.0**-k for r, k in zip(stream_ratios, (1, 2, 3))] == pytest.approx(step_s)
+    assert cpu_floor.engine_step_ms(args, 1)[2:] == ([], [])  # no floor calls or reader, no pairs
 
 
 def test_linear_shapes_cover_the_fused_projections_and_the_lm_head():

@@ -171,6 +171,43 @@ def test_the_checks_run_once_per_step_and_cache_shape_yet_a_bad_call_is_still_re
         paged_attention(*batch.args(), out=torch.empty(3, 4, 16, dtype=torch.float64), backend="cpu", plans=plans)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_goes_straight_to_the_kernel_after_its_first_layer(monkeypatch, dtype):
+    if cpu_native.load() is None:
+        pytest.skip("the compiled CPU ops are not built here (no compiler)")
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    impl_calls = []
+    real = dispatch._PAGED_ATTENTION["cpu"]
+    monkeypatch.setitem(dispatch._PAGED_ATTENTION, "cpu", lambda *a, **k: impl_calls.append(a) or real(*a, **k))
+    batch = make_batch([1, 1, 1], [30, 12, 45], dtype=dtype)
+    plans = {}
+    first = paged_attention(*batch.args(), plans=plans)
+    assert cpu_attention.DIRECT_DECODE in plans and len(impl_calls) == 1
+    torch.testing.assert_close(first.double(), naive_attention(batch), atol=TOL[dtype], rtol=TOL[dtype])
+    args = list(batch.args())
+    args[1], args[2] = batch.k_cache.clone(), batch.v_cache.clone()  # the next layer's caches
+    for _ in range(2):
+        assert torch.equal(paged_attention(*args, plans=plans), first)
+    assert len(impl_calls) == 1  # straight to the kernel
+    # a call shaped otherwise takes the checked path: a strided q, another dtype, an explicit backend
+    strided = torch.empty(batch.q.shape[0], batch.q.shape[1], 2 * batch.q.shape[2], dtype=dtype)[:, :, ::2]
+    strided.copy_(batch.q)
+    torch.testing.assert_close(paged_attention(strided, *args[1:], plans=plans), first, atol=TOL[dtype], rtol=TOL[dtype])
+    assert len(impl_calls) == 2
+    paged_attention(*args, backend="cpu", plans=plans)
+    assert len(impl_calls) == 3
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(batch.q.to(other), *args[1:], plans=plans)
+    # steps with a prompt chunk, or padding rows past the last request, keep every call checked
+    for q_lens, seq_lens, padding in (([1, 5, 1], [30, 12, 45], 0), ([1, 1], [30, 12], 1)):
+        plans = {}
+        mixed = make_batch(q_lens, seq_lens, dtype=dtype)
+        mixed.q = torch.cat([mixed.q, torch.randn(padding, *mixed.q.shape[1:]).to(dtype)])
+        paged_attention(*mixed.args(), plans=plans)
+        assert cpu_attention.DIRECT_DECODE not in plans
+
+
 def test_the_engine_builds_one_plan_per_step_not_per_layer(monkeypatch, tmp_path):
     from pdserve.engine import LLM, SamplingParams
     from tests.conftest import TINY_SHAPE, save_tiny_model

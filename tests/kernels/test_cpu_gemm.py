@@ -32,11 +32,13 @@ def reference(x: torch.Tensor, w16: torch.Tensor, bias: torch.Tensor | None) -> 
                          [(1, 16, 8), (2, 17, 24), (3, 15, 40), (5, 40, 1), (6, 33, 576), (7, 1, 9),
                           (13, 48, 64), (16, 960, 576), (64, 100, 96),
                           # one and two rows over groups of 4 panels, a group's leftovers, a partial last panel
-                          (1, 16 * 9 + 5, 64), (1, 16 * 8, 33), (2, 16 * 7 + 1, 48), (3, 16 * 6, 20), (1, 3, 7)])
+                          (1, 16 * 9 + 5, 64), (1, 16 * 8, 33), (2, 16 * 7 + 1, 48), (3, 16 * 6, 20), (1, 3, 7),
+                          (1, 16 * 12 + 3, 40), (1, 16 * 6, 40)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_panel_gemm_against_a_float64_product(ops, rows, out_features, in_features, with_bias):
     # rows around the 6/4/2/1-row blocking, widths around the 16-column panels and the 4-panel
-    # groups (with 2 threads, a half of the panels can end inside a group), any depth
+    # groups and their leftovers (in twos, then one; with 2 threads a half of the panels can end
+    # inside a group), any depth
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w16 = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g)
