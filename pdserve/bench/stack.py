@@ -119,15 +119,20 @@ class Stack(HttpClient):
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         fd = self.proc.stdout.fileno()
+        exited = False
         while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
             if not self._read(fd):
-                break  # end of output: the stack exited
+                exited = True  # end of output: the stack exited
+                break
             if any("pdserve is ready" in line for line in self.log):
                 return
         self.close()
-        raise RuntimeError(f"the stack did not start within {timeout:.0f} s:\n" + "".join(list(self.log)[-60:]))
+        why = (f"exited after {time.monotonic() - start:.0f} s without becoming ready" if exited
+               else f"did not start within {timeout:.0f} s")
+        raise RuntimeError(f"the stack {why}:\n" + "".join(list(self.log)[-60:]))
 
     def _read(self, fd: int) -> bool:
         """One read of whatever the stack printed into `log`, whole lines; False at end of output."""

@@ -83,3 +83,10 @@ def test_bench_serve_chaos_kills_nodes_and_accounts_for_every_request(tmp_path, 
     assert all(r["success"] or r["error"].startswith("HTTP 503") for r in requests), out
     assert "faults injected" in out and "requests completed" in out
     assert all(s["num_used_blocks"] == 0 for s in idle)
+
+
+@pytest.mark.timeout(60)
+def test_a_stack_that_exits_at_once_says_so(tmp_path):
+    # a model folder that does not exist: `pdserve serve` refuses it before starting anything
+    with pytest.raises(RuntimeError, match=r"the stack exited after \d+ s without becoming ready"):
+        Stack(str(tmp_path / "no-such-model"), timeout=50)

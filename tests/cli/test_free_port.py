@@ -1,0 +1,71 @@
+"""free_port (cli/processes.py): ports below the kernel's ephemeral range, bindable, never handed twice."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pdserve.cli import processes
+from pdserve.cli.processes import FREE_PORTS_BELOW_EPHEMERAL, ephemeral_ports, free_port
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_ports_come_from_below_the_ephemeral_range_and_bind():
+    low = ephemeral_ports()[0]
+    if low - max(1024, low - FREE_PORTS_BELOW_EPHEMERAL) < 1000:
+        pytest.skip(f"no room below this machine's ephemeral range (starts at {low})")
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50  # a process never hands out one twice
+    assert all(low - FREE_PORTS_BELOW_EPHEMERAL <= p < low for p in ports)
+    assert all(bindable(p) for p in ports)
+
+
+def test_a_bound_port_is_skipped(monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy = taken.getsockname()[1]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        picks = iter([busy, busy, free])
+        monkeypatch.setattr(processes, "ephemeral_ports", lambda: (60000, 61000))
+        monkeypatch.setattr(processes._random, "randrange", lambda a, b: next(picks))
+        monkeypatch.setattr(processes, "_handed", set())
+        assert free_port() == free
+
+
+def test_without_room_below_the_range_the_kernel_picks(monkeypatch):
+    monkeypatch.setattr(processes, "ephemeral_ports", lambda: (1500, 60999))  # under 1000 ports below
+    monkeypatch.setattr(processes._random, "randrange", lambda a, b: pytest.fail("no pick below the range"))
+    port = free_port()
+    assert port >= 1024 and bindable(port)
+
+
+def test_the_range_is_read_from_the_kernel_or_defaults(monkeypatch, tmp_path):
+    path = tmp_path / "ip_local_port_range"
+    path.write_text("40000\t50000\n")
+    monkeypatch.setattr(processes, "_EPHEMERAL_RANGE", path)
+    assert ephemeral_ports() == (40000, 50000)
+    monkeypatch.setattr(processes, "_EPHEMERAL_RANGE", tmp_path / "missing")
+    assert ephemeral_ports() == (32768, 60999)
+
+
+def test_ipv6_and_any_address():
+    assert bindable(free_port("*"))
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = free_port("[::1]")
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))
