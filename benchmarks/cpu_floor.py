@@ -13,8 +13,8 @@ Everything is measured here, in one process, as medians of --repeats:
                                     engine/models/cpu_bf16.py)
                 onednn-packed-*     oneDNN with weights reordered once (inductor's freezing path)
                 mkl-packed-float32  MKL's packed sgemm; its pack is valid for one batch size only
-                pdserve-panels-bfloat16  the engine's own GEMM on bf16 weights in panels
-                                    (kernels/cpu_decode.cpp; bf16 models, where the ops build)
+                pdserve-panels-<dtype>  the engine's own GEMM on the weights in panels
+                                    (kernels/cpu_decode.cpp; bf16 and fp32 models, where the ops build)
               The paths take turns within every repeat, so drift hits them alike; the fastest
               median is the floor.
   bandwidth   read bandwidth: a sum over a tensor far larger than the last-level cache.
@@ -92,15 +92,15 @@ def _mkl_packed_path():
     return prepare, torch.float32
 
 
-def _panels_path():
-    """pdserve's compiled GEMM on bf16 weights packed in panels (kernels/cpu_decode.cpp), fp32 input."""
+def _panels_path(dtype: torch.dtype):
+    """pdserve's compiled GEMM on weights of `dtype` packed in panels (kernels/cpu_decode.cpp), fp32 input."""
     from pdserve.kernels import cpu_native
 
     ops = cpu_native.load()
 
     def prepare(w: torch.Tensor, batch: int) -> Callable:
-        panels = ops.pack_bf16_panels(w.to(torch.bfloat16))
-        return lambda x: ops.gemm_bf16_panels(x, panels, w.shape[0], None)
+        panels = ops.pack_panels(w.to(dtype))
+        return lambda x: ops.gemm_panels(x, panels, w.shape[0], None)
     return prepare, torch.float32
 
 
@@ -116,8 +116,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
             paths["mkl-packed-float32"] = _mkl_packed_path()
     from pdserve.kernels import cpu_native
 
-    if dtype == torch.bfloat16 and cpu_native.load() is not None:  # what a bf16 layer runs at 2-64 rows
-        paths["pdserve-panels-bfloat16"] = _panels_path()
+    if dtype in (torch.bfloat16, torch.float32) and cpu_native.load() is not None:  # what a layer runs at 1-64 rows
+        paths[f"pdserve-panels-{_name(dtype)}"] = _panels_path(dtype)
     return paths
 
 

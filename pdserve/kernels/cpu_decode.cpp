@@ -567,14 +567,15 @@ void check_rows(const torch::Tensor& t, const char* name) {
 }
 
 
-// ---- GEMMs on bf16 weights, a few rows -------------------------------------------------------
-// y = x W^T (+ b) for x fp32 [M, K] and W bf16 [N, K], packed once into panels of 16 weight rows,
+// ---- GEMMs on bf16 or fp32 weights, a few rows ---------------------------------------------
+// y = x W^T (+ b) for x fp32 [M, K] and W bf16 or fp32 [N, K], packed once into panels of 16 weight rows,
 // k-major ([N/16][K][16], zero-padded). A panel's 16 columns of y are two vectors: per k, MR rows
 // of x broadcast one value each against the panel's two widened vectors (2 x MR sums in
 // registers, no horizontal sums); each panel comes from memory once and from cache for the next
 // rows. It reads the bf16 weights, half the bytes of the fp32 copy oneDNN reads for a bf16 model
 // on a CPU without native bf16 (engine/models/cpu_bf16.py), and sums each output in k order in
-// fp32, as a native bf16 GEMM does.
+// fp32, as a native bf16 GEMM does. An fp32 model's weights run the same loops without the
+// widening (engine/parallel/layers.py: its decode rows).
 // With one or two rows the 2 x MR sums would each wait on the last add (a chain of fused
 // multiply-adds, one per k): NP panels are worked on together instead (8 sums in flight), which
 // also reads NP streams of weights at once; each output still sums in k order, so a row gets the
@@ -586,8 +587,8 @@ constexpr int64_t kGroup = 4;
 #ifdef PDSERVE_AVX2
 // Rows [0, MR) of NP adjacent panels (S elements apart); the last panel writes its first `cols`
 // columns.
-template <int MR, int NP>
-void panel_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t ldy, int64_t cols, const float* bias) {
+template <int MR, int NP, typename W>
+void panel_rows(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t cols, const float* bias) {
   const int64_t S = K * kPanel;
   __m256 a[MR][NP][2];
   for (int i = 0; i < MR; ++i)
@@ -626,8 +627,8 @@ void panel_rows(const float* x, int64_t K, const uint16_t* w, float* y, int64_t 
 }
 
 // Rows [0, MR) of `np` panels: NP at a time, then two (where NP is more), then one at a time.
-template <int MR, int NP>
-void rows_over(const float* x, int64_t K, const uint16_t* w, int64_t np, float* y, int64_t ldy, int64_t cols,
+template <int MR, int NP, typename W>
+void rows_over(const float* x, int64_t K, const W* w, int64_t np, float* y, int64_t ldy, int64_t cols,
                const float* bias) {
   int64_t j = 0;
   for (; j + NP <= np; j += NP)
@@ -644,7 +645,8 @@ void rows_over(const float* x, int64_t K, const uint16_t* w, int64_t np, float* 
 
 // Rows [0, M) of `np` adjacent panels (the last one's first `cols` columns); portable loops
 // without AVX2 (the same order of sums; each product rounded before its add).
-void panel_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t np, float* y, int64_t ldy,
+template <typename W>
+void panel_all_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t np, float* y, int64_t ldy,
                     int64_t cols, const float* bias) {
   int64_t m = 0;
 #ifdef PDSERVE_AVX2
@@ -652,7 +654,7 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int
   // block), then the one to three rows left over the whole group, several panels at once
   const int64_t many = M - M % 6 + (M % 6 >= 4 ? 4 : 0);
   for (int64_t j = 0; j < np; ++j) {
-    const uint16_t* panel = w + j * K * kPanel;
+    const W* panel = w + j * K * kPanel;
     const int64_t c = j + 1 == np ? cols : kPanel;
     const float* pb = bias == nullptr ? nullptr : bias + j * kPanel;
     int64_t r = 0;
@@ -665,9 +667,9 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, int
 #endif
   for (; m < M; ++m) {
     for (int64_t j = 0; j < np * kPanel - (kPanel - cols); ++j) {
-      const uint16_t* panel = w + (j / kPanel) * K * kPanel;
+      const W* panel = w + (j / kPanel) * K * kPanel;
       float a = 0.f;
-      for (int64_t k = 0; k < K; ++k) a += x[m * K + k] * bf16_to_f32(panel[k * kPanel + j % kPanel]);
+      for (int64_t k = 0; k < K; ++k) a += x[m * K + k] * load(panel + k * kPanel + j % kPanel);
       y[m * ldy + j] = bias == nullptr ? a : a + bias[j];
     }
   }
@@ -758,47 +760,48 @@ torch::Tensor rope_store_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor 
   return q;
 }
 
-// W [N, K] bf16 as the panels gemm_bf16_panels reads: [ceil(N / 16), K, 16], zero-padded.
-torch::Tensor pack_bf16_panels(torch::Tensor weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_bf16_panels: a 2-D bfloat16 weight");
-  const auto w = weight.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  auto out = torch::zeros({P, K, kPanel}, w.options());
-  const uint16_t* src = ptr<uint16_t>(w);
-  uint16_t* dst = ptr<uint16_t>(out);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) dst[((n / kPanel) * K + k) * kPanel + n % kPanel] = src[n * K + k];
-  return out;
+// W [N, K] bf16 or fp32 as the panels gemm_panels reads: [ceil(N / 16), K, 16] of W's dtype, zero-padded.
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat),
+              "pack_panels: a 2-D bfloat16 or float32 weight");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + kPanel - 1) / kPanel;
+  // rows padded to whole panels, then [P, 16, K] -> [P, K, 16]
+  auto padded = torch::zeros({P * kPanel, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] fp32 times the packed W [N, K] (pack_bf16_panels), plus bias [N] fp32 if given: [M, N] fp32.
-torch::Tensor gemm_bf16_panels(torch::Tensor x, torch::Tensor panels, int64_t out_features,
-                               c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gemm_bf16_panels: x must be 2-D float32");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 && panels.size(2) == kPanel &&
-                  panels.is_contiguous() && panels.size(1) == x.size(1) && out_features > 0 &&
-                  (out_features + kPanel - 1) / kPanel == panels.size(0),
-              "gemm_bf16_panels: panels must be pack_bf16_panels of a [out_features, x.size(1)] weight");
+// x [M, K] fp32 times the packed W [N, K] (pack_panels), plus bias [N] fp32 if given: [M, N] fp32.
+torch::Tensor gemm_panels(torch::Tensor x, torch::Tensor panels, int64_t out_features,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gemm_panels: x must be 2-D float32");
+  TORCH_CHECK(panels.dim() == 3 && (panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kFloat) &&
+                  panels.size(2) == kPanel && panels.is_contiguous() && panels.size(1) == x.size(1) &&
+                  out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "gemm_panels: panels must be pack_panels of a [out_features, x.size(1)] weight");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features && bias->scalar_type() == at::kFloat &&
-                    bias->is_contiguous(), "gemm_bf16_panels: bias must be float32 [out_features]");
+                    bias->is_contiguous(), "gemm_panels: bias must be float32 [out_features]");
     b = bias->data_ptr<float>();
   }
   const auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = out_features;
   auto y = torch::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const uint16_t* wp = ptr<uint16_t>(panels);
   float* yp = y.data_ptr<float>();
   const int64_t P = panels.size(0);
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; p += kGroup) {
-      const int64_t np = std::min(kGroup, p1 - p);
-      panel_all_rows(xp, M, K, wp + p * K * kPanel, np, yp + p * kPanel, N,
-                     p + np == P ? N - (P - 1) * kPanel : kPanel, b == nullptr ? nullptr : b + p * kPanel);
-    }
-  });
+  const auto run = [&](auto* wp) {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; p += kGroup) {
+        const int64_t np = std::min(kGroup, p1 - p);
+        panel_all_rows(xp, M, K, wp + p * K * kPanel, np, yp + p * kPanel, N,
+                       p + np == P ? N - (P - 1) * kPanel : kPanel, b == nullptr ? nullptr : b + p * kPanel);
+      }
+    });
+  };
+  if (panels.scalar_type() == at::kFloat) run(static_cast<const float*>(panels.data_ptr<float>()));
+  else run(ptr<uint16_t>(panels));
   return y;
 }
 
@@ -846,6 +849,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (CPU)");
   m.def("rope_store_kv", &rope_store_kv, "RoPE on q and k, k and v stored in the paged caches (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
-  m.def("pack_bf16_panels", &pack_bf16_panels, "a bf16 weight packed for gemm_bf16_panels (CPU)");
-  m.def("gemm_bf16_panels", &gemm_bf16_panels, "x W^T + b on a packed bf16 weight, a few rows (CPU)");
+  m.def("pack_panels", &pack_panels, "a bf16 or fp32 weight packed for gemm_panels (CPU)");
+  m.def("gemm_panels", &gemm_panels, "x W^T + b on a packed bf16 or fp32 weight, a few rows (CPU)");
 }

@@ -34,7 +34,7 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
     for row in result["rows"]:
         assert f"torch-{dtype}" in row["gemm_ms"] and all(ms > 0 for ms in row["gemm_ms"].values())
         # the engine's own GEMM counts toward the floor where the engine runs it (bf16, ops built)
-        assert ("pdserve-panels-bfloat16" in row["gemm_ms"]) == (dtype == "bfloat16" and cpu_native.load() is not None)
+        assert (f"pdserve-panels-{dtype}" in row["gemm_ms"]) == (cpu_native.load() is not None)
         assert row["gemm_floor_ms"] == min(row["gemm_ms"].values())
         assert row["gemm_ms"][row["gemm_floor_path"]] == row["gemm_floor_ms"]
         assert row["step_ms"] > 0 and row["step_over_gemm_floor"] == pytest.approx(row["step_ms"] / row["gemm_floor_ms"])

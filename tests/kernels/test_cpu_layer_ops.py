@@ -300,5 +300,7 @@ def test_direct_gemms_only_where_the_module_call_is_that_gemm(monkeypatch):
     assert layer.direct_gemms(2) is None
     fp32_model, _ = _packed_model("float32", monkeypatch)
     assert fp32_model.layers[0].direct_gemms(1) is not None  # fp32: oneDNN at one row too
-    fp32_model.layers[0].self_attn.qkv_proj.packed = None  # no copy: F.linear
+    fp32_model.layers[0].self_attn.qkv_proj.packed = None  # no oneDNN copy: the panels up to 64 rows
+    assert fp32_model.layers[0].direct_gemms(4) is not None and fp32_model.layers[0].direct_gemms(65) is None
+    fp32_model.layers[0].self_attn.qkv_proj.panels = None  # neither: F.linear
     assert fp32_model.layers[0].direct_gemms(4) is None

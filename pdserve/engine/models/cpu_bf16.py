@@ -11,7 +11,7 @@ CPU's fastest for several rows (engine/parallel/layers.py: `cpu_linear`) on a on
 fp32 weight; a layer too small for the copy keeps the fp32 weight itself for F.linear.
 
 A few rows (1 to PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
-packed once in 16-column panels (kernels/cpu_decode.cpp: gemm_bf16_panels), where the compiled
+packed once in 16-column panels (kernels/cpu_decode.cpp: gemm_panels), where the compiled
 ops load: half the bytes of the fp32 copy, fp32 sums in k order (a row gets the same bits in any
 batch); on an AVX2 EPYC (2 threads) the default model's GEMMs at 16 rows were level with
 oneDNN's (a batch-16 step 0.90x with them), and took 19-24 ms at one row against torch's bf16
@@ -29,13 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel.layers import cpu_linear, direct_gemm, onednn_packed_weight
+from pdserve.engine.parallel.layers import PANEL_MAX_ROWS, Panels, cpu_linear, direct_gemm, onednn_packed_weight
 from pdserve.kernels import cpu_native
 
-# Up to this many rows a layer with a oneDNN copy runs the compiled GEMM on its bf16 weights packed
-# in panels (kernels/cpu_decode.cpp: gemm_bf16_panels), half the bytes oneDNN reads and a kernel
+# Up to PANEL_MAX_ROWS rows a layer with a oneDNN copy runs the compiled GEMM on its bf16 weights
+# packed in panels (kernels/cpu_decode.cpp: gemm_panels), half the bytes oneDNN reads and a kernel
 # made for few rows; more rows (prefill chunks) run oneDNN, faster there.
-PANEL_MAX_ROWS = 64
 
 
 class Bf16ViaFp32Linear(nn.Module):
@@ -55,8 +54,8 @@ class Bf16ViaFp32Linear(nn.Module):
                              persistent=False)
         # the bf16 weights packed for the compiled few-row GEMM, beside a oneDNN copy (none without
         # the compiled ops: PDSERVE_CPU_NATIVE=0, no compiler)
-        self.native = cpu_native.load() if self.packed is not None else None
-        self.panels = None if self.native is None else self.native.pack_bf16_panels(self.weight16)
+        native = cpu_native.load() if self.packed is not None else None
+        self.panels = None if native is None else Panels(native, self.weight16)
         self.out_features = weight32.shape[0]
         # float32 where the output feeds only another fp32 GEMM; None where the consumer rounds to
         # bf16 itself: the GEMM's own output then (fp32 for several rows, bf16 from the GEMV)
@@ -67,8 +66,7 @@ class Bf16ViaFp32Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (a no-op conversion still costs a call: ~2 us, 120 a step)
         if x.dim() == 2 and self._on_panels(x.shape[0]):
-            y = self.native.gemm_bf16_panels(x if x.dtype == torch.float32 else x.float(), self.panels,
-                                             self.out_features, self.bias32)
+            y = self.panels(x if x.dtype == torch.float32 else x.float(), self.bias32)
         elif x.numel() <= x.shape[-1]:  # one row: torch's GEMV over the bf16 weights (or no row)
             y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16)
         else:
@@ -84,10 +82,9 @@ class Bf16ViaFp32Linear(nn.Module):
         PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
         if self.out_dtype not in (None, torch.float32) or rows < 1:
             return None
-        if self._on_panels(rows) and self.tp_combine is None:
-            gemm, panels, out_features, bias = self.native.gemm_bf16_panels, self.panels, self.out_features, self.bias32
-            return lambda x: gemm(x, panels, out_features, bias)
-        return None if rows < 2 else direct_gemm(self.packed, self.bias32, rows, self.tp_combine)
+        if rows < 2 and not self._on_panels(rows):
+            return None
+        return direct_gemm(self.packed, self.bias32, rows, self.tp_combine, self.panels)
 
     def _on_panels(self, rows: int) -> bool:
         """Whether `rows` rows run the panels' GEMM (forward and direct_gemm choose alike)."""

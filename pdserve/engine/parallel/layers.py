@@ -27,6 +27,7 @@ from torch import nn
 
 from pdserve.engine.parallel.sharding import padded_vocab_size, vocab_range
 from pdserve.engine.parallel.state import all_gather_last_dim, all_reduce
+from pdserve.kernels import cpu_native
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -39,12 +40,13 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, self.offsets[-1], bias=bias)
         self.tp_combine = None  # the next layer takes the rank's rows as they are
         self.packed = None  # oneDNN's copy of the weight (pack_cpu_linears)
+        self.panels: Panels | None = None  # the weight in panels for a few rows (pack_cpu_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias, self.packed)
+        return cpu_linear(x, self.weight, self.bias, self.packed, self.panels)
 
     def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return direct_gemm(self.packed, self.bias, rows, None)
+        return direct_gemm(self.packed, self.bias, rows, None, self.panels)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_rows = self.parts[part]
@@ -61,13 +63,14 @@ class RowParallelLinear(nn.Linear):
         super().__init__(in_range[1] - in_range[0], out_features, bias=False)
         self.tp_combine = all_reduce if size > 1 else None
         self.packed = None
+        self.panels: Panels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_linear(x, self.weight, self.bias, self.packed)
+        y = cpu_linear(x, self.weight, self.bias, self.packed, self.panels)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return direct_gemm(self.packed, self.bias, rows, self.tp_combine)
+        return direct_gemm(self.packed, self.bias, rows, self.tp_combine, self.panels)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_in = self.in_range
@@ -100,9 +103,10 @@ class ParallelLMHead(nn.Linear):
         super().__init__(hidden_size, padded_vocab_size(size, vocab_size) // size, bias=False)
         self.tp_combine = functools.partial(_gather_vocab, vocab_size=vocab_size) if size > 1 else None
         self.packed = None
+        self.panels: Panels | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
-        y = cpu_linear(hidden, self.weight, self.bias, self.packed)
+        y = cpu_linear(hidden, self.weight, self.bias, self.packed, self.panels)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
@@ -115,17 +119,26 @@ PACK_BATCH_HINT = 16  # the rows oneDNN tunes the reordered layout for; any numb
 # EPYC, 30 distinct weights called in turn (as a step does), 256 x 256 tied with F.linear at 1 and
 # 16 rows, 384 x 384 took 0.84-0.89x, 64 x 192 took 1.6-4.3x; the tiny test models stay on F.linear
 PACK_MIN_WEIGHTS = 1 << 17
+# Up to this many rows a layer with its weight in panels runs the compiled few-row GEMM on them
+# (Panels; models/cpu_bf16.py too): level with oneDNN at 64 rows on the default model's shapes,
+# slower beyond (1.28x at 512), faster below (0.60x at 16)
+PANEL_MAX_ROWS = 64
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-               packed: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b. With a oneDNN copy of W (`packed`) oneDNN computes it: MKL's GEMM (F.linear)
-    re-packs W on every call at a few rows, which costs about as much as the GEMM, and oneDNN reads
-    the copy reordered once (inductor's freezing path does the same). Measured on an AVX2 EPYC, 2
-    threads, the default model's shapes, 30 weights in turn: 0.51-0.83x of F.linear's time at 2-16
+               packed: torch.Tensor | None, panels: Panels | None = None) -> torch.Tensor:
+    """x W^T + b. From 1 to PANEL_MAX_ROWS rows of x, with the weight in panels (`panels`),
+    pdserve's few-row GEMM computes it (kernels/cpu_decode.cpp: gemm_panels; on an AVX2 EPYC, 2
+    threads, the default model's decode GEMMs took ~0.6x oneDNN's time at 16 rows and one row, fp32
+    sums in k order). Otherwise, with a oneDNN copy of W (`packed`), oneDNN computes it: MKL's GEMM
+    (F.linear) re-packs W on every call at a few rows, which costs about as much as the GEMM, and
+    oneDNN reads the copy reordered once (inductor's freezing path does the same). Measured on the
+    same EPYC, the default model's shapes, 30 weights in turn: 0.51-0.83x of F.linear's time at 2-16
     rows; at 512 rows 0.62x on gate_up, 0.92x on qkv, tied on o and down; at one row 0.64-0.92x
-    except down_proj (1.14-1.49x; a layer's four GEMVs together 0.78-0.88x). Both are fp32 GEMMs
+    except down_proj (1.14-1.49x; a layer's four GEMVs together 0.78-0.88x). All are fp32 GEMMs
     with fp32 sums; only the summation order differs. `weight` may be None where `packed` is set."""
+    if panels is not None and x.dim() == 2 and 0 < x.shape[0] <= PANEL_MAX_ROWS:
+        return panels(x, bias)
     if packed is None or x.numel() == 0:
         return F.linear(x, weight, bias)
     return onednn_gemm(x, packed, bias)
@@ -137,13 +150,33 @@ def onednn_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 
 
 def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: int,
-                tp_combine) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """`onednn_gemm` on (packed, bias) when a layer's forward on `rows` rows is exactly that GEMM on
-    fp32 x, its output handed on as it is: a oneDNN copy, at least one row, no collective after it.
-    A model calls such layers' GEMMs straight (models/llama.py: DecoderLayer.forward_direct)."""
-    if packed is None or rows < 1 or tp_combine is not None:
+                tp_combine, panels: Panels | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The GEMM a layer's forward on `rows` rows of fp32 x is, exactly, when its output is handed
+    on as it is: the panels' (1 to PANEL_MAX_ROWS rows) or `onednn_gemm` on (packed, bias) (a
+    oneDNN copy, at least one row); None with a collective after it or neither. A model calls such
+    layers' GEMMs straight (models/llama.py: DecoderLayer.forward_direct)."""
+    if rows < 1 or tp_combine is not None:
+        return None
+    if panels is not None and rows <= PANEL_MAX_ROWS:
+        return functools.partial(panels, bias=bias)
+    if packed is None:
         return None
     return functools.partial(onednn_gemm, packed=packed, bias=bias)
+
+
+class Panels:
+    """A weight [N, K] (bf16 or fp32) packed in 16-column panels for the compiled few-row GEMM
+    (kernels/cpu_decode.cpp: pack_panels, gemm_panels); called as panels(x fp32 [M, K], bias)."""
+
+    __slots__ = ("gemm", "panels", "out_features")
+
+    def __init__(self, native, weight: torch.Tensor) -> None:
+        self.gemm = native.gemm_panels
+        self.panels = native.pack_panels(weight.detach())
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gemm(x, self.panels, self.out_features, bias)
 
 
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -156,12 +189,16 @@ def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Give every big enough fp32 CPU layer of `model` its oneDNN copy (load time, after the weights
-    and the dtype are final); returns how many. The layer keeps its weight (the model's parameter)."""
+    """Give every big enough fp32 CPU layer of `model` its oneDNN copy and, where the compiled ops
+    load (kernels/cpu_native.py), its weight in panels for decode rows (load time, after the
+    weights and the dtype are final); returns how many got a oneDNN copy. The layer keeps its
+    weight (the model's parameter): with both copies it holds its weights three times."""
     num = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             module.packed = onednn_packed_weight(module.weight)
+            native = cpu_native.load() if module.packed is not None else None
+            module.panels = None if native is None else Panels(native, module.weight)
             num += module.packed is not None
     return num
 
