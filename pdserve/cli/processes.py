@@ -10,7 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-
 # Ports free_port picks from, below the kernel's ephemeral range (see free_port).
 FREE_PORTS_BELOW_EPHEMERAL = 12000
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")

@@ -5,11 +5,17 @@ lag is gone, and shows its saturation at /metrics."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 
-import heapq
-
-from pdserve.router.saturation import CALM_S, DECREASE_EVERY_S, PROBE_INTERVAL_S, SUSTAINED, RetryAfter, Saturation
+from pdserve.router.saturation import (
+    CALM_S,
+    DECREASE_EVERY_S,
+    PROBE_INTERVAL_S,
+    SUSTAINED,
+    RetryAfter,
+    Saturation,
+)
 from tests.router.conftest import run, serving, split_pair
 from tests.router.test_metrics import scrape, value
 

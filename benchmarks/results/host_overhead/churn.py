@@ -16,11 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmarks.host_overhead import make_model
+from pdserve.engine import decode_batch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine import decode_batch
+
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 model = make_model(Path(tempfile.mkdtemp()) / "m")
 cfg = EngineConfig(model, dtype="float32", max_num_seqs=B, block_size=16, num_kv_blocks=B * 12 + 1,
@@ -52,7 +53,8 @@ with LLMEngine(cfg) as engine:
         if i < 50 or i % 10 == 0:
             continue
         samples.setdefault(mode, []).append(engine.timings.host * 1e3)
-        for ph in ("schedule", "prepare", "sample", "output"): samples.setdefault(mode + "." + ph, []).append(getattr(engine.timings, ph) * 1e3)
+        for ph in ("schedule", "prepare", "sample", "output"):
+            samples.setdefault(mode + "." + ph, []).append(getattr(engine.timings, ph) * 1e3)
     for mode in modes:
         print(f"{mode:>9}: host {statistics.median(samples[mode]):.3f} ms  " + "  ".join(
             f"{ph} {statistics.median(samples[mode + '.' + ph]):.3f}" for ph in ("schedule", "prepare", "sample", "output")))

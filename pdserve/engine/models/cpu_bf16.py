@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel.layers import PANEL_MAX_ROWS, Panels, cpu_linear, direct_gemm, onednn_packed_weight
+from pdserve.engine.parallel.layers import (
+    PANEL_MAX_ROWS,
+    Panels,
+    cpu_linear,
+    direct_gemm,
+    onednn_packed_weight,
+)
 from pdserve.kernels import cpu_native
 
 # Up to PANEL_MAX_ROWS rows a layer with a oneDNN copy runs the compiled GEMM on its bf16 weights
