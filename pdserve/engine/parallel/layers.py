@@ -120,8 +120,9 @@ PACK_BATCH_HINT = 16  # the rows oneDNN tunes the reordered layout for; any numb
 # 16 rows, 384 x 384 took 0.84-0.89x, 64 x 192 took 1.6-4.3x; the tiny test models stay on F.linear
 PACK_MIN_WEIGHTS = 1 << 17
 # Up to this many rows a layer with its weight in panels runs the compiled few-row GEMM on them
-# (Panels; models/cpu_bf16.py too): level with oneDNN at 64 rows on the default model's shapes,
-# slower beyond (1.28x at 512), faster below (0.60x at 16)
+# (Panels; models/cpu_bf16.py too). On the default model's shapes (AVX2 EPYC, 2 threads) it took
+# 0.52-0.60x oneDNN's time at 16 rows and 0.74-0.96x at 64; beyond, the comparison flipped with the
+# machine's phase (0.82-0.92x in one run, 1.10-1.28x in another at 128-512 rows: benchmarks/RESULTS.md)
 PANEL_MAX_ROWS = 64
 
 
@@ -129,8 +130,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
                packed: torch.Tensor | None, panels: Panels | None = None) -> torch.Tensor:
     """x W^T + b. From 1 to PANEL_MAX_ROWS rows of x, with the weight in panels (`panels`),
     pdserve's few-row GEMM computes it (kernels/cpu_decode.cpp: gemm_panels; on an AVX2 EPYC, 2
-    threads, the default model's decode GEMMs took ~0.6x oneDNN's time at 16 rows and one row, fp32
-    sums in k order). Otherwise, with a oneDNN copy of W (`packed`), oneDNN computes it: MKL's GEMM
+    threads, the default model's fp32 decode GEMMs took 0.5-0.6x oneDNN's time at one row and at
+    16, fp32 sums in k order). Otherwise, with a oneDNN copy of W (`packed`), oneDNN computes it: MKL's GEMM
     (F.linear) re-packs W on every call at a few rows, which costs about as much as the GEMM, and
     oneDNN reads the copy reordered once (inductor's freezing path does the same). Measured on the
     same EPYC, the default model's shapes, 30 weights in turn: 0.51-0.83x of F.linear's time at 2-16
