@@ -69,3 +69,20 @@ def test_ipv6_and_any_address():
     port = free_port("[::1]")
     with socket.socket(socket.AF_INET6) as s:
         s.bind(("::1", port))
+
+
+def test_a_port_handed_out_is_not_handed_out_again(monkeypatch):
+    # the first port is not bound until the process it went to starts: only the hand-out list keeps
+    # the second call from drawing it again
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        second = probe.getsockname()[1]
+    picks = iter([first, first, second])
+    monkeypatch.setattr(processes, "ephemeral_ports", lambda: (60000, 61000))
+    monkeypatch.setattr(processes._random, "randrange", lambda a, b: next(picks))
+    monkeypatch.setattr(processes, "_handed", set())
+    assert free_port() == first
+    assert free_port() == second
