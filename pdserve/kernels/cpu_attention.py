@@ -128,8 +128,8 @@ def paged_attention(
             and v_cache.is_contiguous():
         native, tables, seqs, rows = plan.native_decode
         native.decode_attention(q, k_cache, v_cache, tables, seq_lens, seqs, rows, out, scale)
-        if plans is not None and not plan.prefill_ids and not plan.short and plan.layout.q_starts[-1] == out.shape[0] \
-                and q.is_contiguous():
+        if plans is not None and DIRECT_DECODE not in plans and not plan.prefill_ids and not plan.short \
+                and plan.layout.q_starts[-1] == out.shape[0] and q.is_contiguous():
             plans[DIRECT_DECODE] = _DirectDecode(q.shape, k_cache.shape, q.dtype, native, tables, seq_lens, seqs, rows)
     else:
         for chunk in plan.decode_chunks:

@@ -19,6 +19,24 @@ def bindable(port: int) -> bool:
         return True
 
 
+def kernel_port() -> int:
+    """A port the kernel picks now, released again: free, and unbound until someone binds it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def scripted_picks(monkeypatch):
+    """free_port's random draws taken from a list (above a range that leaves room), nothing handed out yet."""
+    def script(*picks: int) -> None:
+        draws = iter(picks)
+        monkeypatch.setattr(processes, "ephemeral_ports", lambda: (60000, 61000))
+        monkeypatch.setattr(processes._random, "randrange", lambda a, b: next(draws))
+        monkeypatch.setattr(processes, "_handed", set())
+    return script
+
+
 def test_ports_come_from_below_the_ephemeral_range_and_bind():
     low = ephemeral_ports()[0]
     if low - max(1024, low - FREE_PORTS_BELOW_EPHEMERAL) < 1000:
@@ -29,17 +47,12 @@ def test_ports_come_from_below_the_ephemeral_range_and_bind():
     assert all(bindable(p) for p in ports)
 
 
-def test_a_bound_port_is_skipped(monkeypatch):
+def test_a_bound_port_is_skipped(scripted_picks):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         busy = taken.getsockname()[1]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            free = probe.getsockname()[1]
-        picks = iter([busy, busy, free])
-        monkeypatch.setattr(processes, "ephemeral_ports", lambda: (60000, 61000))
-        monkeypatch.setattr(processes._random, "randrange", lambda a, b: next(picks))
-        monkeypatch.setattr(processes, "_handed", set())
+        free = kernel_port()
+        scripted_picks(busy, busy, free)
         assert free_port() == free
 
 
@@ -71,18 +84,10 @@ def test_ipv6_and_any_address():
         s.bind(("::1", port))
 
 
-def test_a_port_handed_out_is_not_handed_out_again(monkeypatch):
+def test_a_port_handed_out_is_not_handed_out_again(scripted_picks):
     # the first port is not bound until the process it went to starts: only the hand-out list keeps
     # the second call from drawing it again
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        first = probe.getsockname()[1]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        second = probe.getsockname()[1]
-    picks = iter([first, first, second])
-    monkeypatch.setattr(processes, "ephemeral_ports", lambda: (60000, 61000))
-    monkeypatch.setattr(processes._random, "randrange", lambda a, b: next(picks))
-    monkeypatch.setattr(processes, "_handed", set())
+    first, second = kernel_port(), kernel_port()
+    scripted_picks(first, first, second)
     assert free_port() == first
     assert free_port() == second

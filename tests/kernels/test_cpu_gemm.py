@@ -97,12 +97,12 @@ def test_a_bf16_layer_takes_the_panels_for_a_few_rows_and_onednn_for_more(ops, m
     real = layer.panels.gemm
     layer.panels.gemm = lambda *a: calls.append(a[0].shape[0]) or real(*a)
     w16, b16 = linear.weight.detach().bfloat16(), linear.bias.detach().bfloat16()
-    for rows in (1, 2, cpu_bf16.PANEL_MAX_ROWS, cpu_bf16.PANEL_MAX_ROWS + 1):
+    for rows in (1, 2, layers.PANEL_MAX_ROWS, layers.PANEL_MAX_ROWS + 1):
         x = torch.randn(rows, 40).bfloat16()
         got = layer(x)
         want = F.linear(x.float(), w16.float(), b16.float())
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert calls == [1, 2, cpu_bf16.PANEL_MAX_ROWS]  # the 65-row call ran oneDNN
+    assert calls == [1, 2, layers.PANEL_MAX_ROWS]  # the 65-row call ran oneDNN
     # its direct GEMM (DecoderLayer.forward_direct) is the same call
     x = torch.randn(5, 40)
     assert torch.equal(layer.direct_gemm(5)(x), layer(x))

@@ -14,7 +14,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.models import cpu_bf16  # noqa: E402
 from pdserve.engine.parallel import layers  # noqa: E402
 
 dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
@@ -28,7 +27,7 @@ times: dict[int, list[float]] = {64: [], 1 << 20: []}
 try:
     for r in range(8):
         for cap in (64, 1 << 20) if r % 2 else (1 << 20, 64):
-            layers.PANEL_MAX_ROWS = cpu_bf16.PANEL_MAX_ROWS = cap
+            layers.PANEL_MAX_ROWS = cap
             engine.runner.model.forget_direct_gemms()
             engine.add_request(torch.randint(engine.model_config.vocab_size, (n,), generator=g).tolist(), params)
             start = time.perf_counter()

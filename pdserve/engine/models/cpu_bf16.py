@@ -10,7 +10,7 @@ and the MLP's activation go to their GEMM in fp32 (`hand_fp32_to_gemms`). The fp
 CPU's fastest for several rows (engine/parallel/layers.py: `cpu_linear`) on a oneDNN copy of the
 fp32 weight; a layer too small for the copy keeps the fp32 weight itself for F.linear.
 
-A few rows (1 to PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
+A few rows (1 to layers.PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
 packed once in 16-column panels (kernels/cpu_decode.cpp: gemm_panels), where the compiled
 ops load: half the bytes of the fp32 copy, fp32 sums in k order (a row gets the same bits in any
 batch); on an AVX2 EPYC (2 threads) the default model's GEMMs at 16 rows were level with
@@ -29,18 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel.layers import (
-    PANEL_MAX_ROWS,
-    Panels,
-    cpu_linear,
-    direct_gemm,
-    onednn_packed_weight,
-)
+from pdserve.engine.parallel.layers import Panels, cpu_linear, direct_gemm, onednn_packed_weight
 from pdserve.kernels import cpu_native
-
-# Up to PANEL_MAX_ROWS rows a layer with a oneDNN copy runs the compiled GEMM on its bf16 weights
-# packed in panels (kernels/cpu_decode.cpp: gemm_panels), half the bytes oneDNN reads and a kernel
-# made for few rows; more rows (prefill chunks) run oneDNN, faster there.
 
 
 class Bf16ViaFp32Linear(nn.Module):
@@ -70,31 +60,24 @@ class Bf16ViaFp32Linear(nn.Module):
         self.tp_combine = getattr(linear, "tp_combine", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (a no-op conversion still costs a call: ~2 us, 120 a step)
-        if x.dim() == 2 and self._on_panels(x.shape[0]):
-            y = self.panels(x if x.dtype == torch.float32 else x.float(), self.bias32)
-        elif x.numel() <= x.shape[-1]:  # one row: torch's GEMV over the bf16 weights (or no row)
+        if x.numel() <= x.shape[-1] and (self.panels is None or x.dim() != 2 or x.numel() == 0):
+            # one row off the panels (or no row): torch's GEMV over the bf16 weights
             y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16)
-        else:
+        else:  # the panels up to layers.PANEL_MAX_ROWS rows, else oneDNN (cpu_linear chooses)
+            # (a no-op conversion still costs a call: ~2 us, 120 a step)
             packed = self.packed
             y = cpu_linear(x if x.dtype == torch.float32 else x.float(), None if packed is not None else self.weight32,
-                           self.bias32, packed)
+                           self.bias32, packed, self.panels)
         if self.out_dtype is not None and y.dtype != self.out_dtype:
             y = y.to(self.out_dtype)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """layers.direct_gemm, where the fp32 output is handed on: the panels' GEMM up to
-        PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
-        if self.out_dtype not in (None, torch.float32) or rows < 1:
-            return None
-        if rows < 2 and not self._on_panels(rows):
+        layers.PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
+        if self.out_dtype not in (None, torch.float32) or (rows == 1 and self.panels is None):
             return None
         return direct_gemm(self.packed, self.bias32, rows, self.tp_combine, self.panels)
-
-    def _on_panels(self, rows: int) -> bool:
-        """Whether `rows` rows run the panels' GEMM (forward and direct_gemm choose alike)."""
-        return self.panels is not None and 0 < rows <= PANEL_MAX_ROWS
 
 
 def use_fp32_gemms_for_bf16(model: nn.Module) -> int:
