@@ -197,8 +197,9 @@ class ModelRunner:
         model.load_weights(iter_safetensors(self.config.model_path))
         model.to(self.dtype)
         model.rotary.float()  # RoPE tables stay float32, as in transformers
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            pack_cpu_linears(model)  # oneDNN copies of the weights (parallel/layers.py)
+        if self.device.type == "cpu" and (self.dtype == torch.float32
+                                          or (self.dtype == torch.bfloat16 and cpu_has_native_bf16())):
+            pack_cpu_linears(model)  # oneDNN copies of fp32 weights, AMX tiles of bf16 ones (parallel/layers.py)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             num = use_fp32_gemms_for_bf16(model)
             logger.info("no native bf16 on this CPU: %d bf16 linear layers run as fp32 GEMMs on bf16 values", num)

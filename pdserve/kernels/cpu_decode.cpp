@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_amx.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +29,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PDSERVE_AVX2 1
+#endif
+#if defined(PDSERVE_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define PDSERVE_AVX512 1  // the attention's inner loops 16 lanes wide (built with -mavx512f -mavx512dq)
 #endif
 
 namespace {
@@ -99,6 +104,37 @@ inline __m256 exp8(__m256 x) {
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // per 128-bit half
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
+#ifdef PDSERVE_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// 16 lanes folded to 8 (the two halves added)
+inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+// exp8's polynomial on 16 lanes
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 zero_mask = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  const __mmask16 inf_mask = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 finite = _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero_mask), y, _mm512_castsi512_ps(e));
+  return _mm512_mask_blend_ps(inf_mask, finite, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
 #endif
 
@@ -206,6 +242,66 @@ inline void group_weigh(const T* v, const float* p, float* acc, int64_t nb, int6
   for (; d < D; d += 8) group_weigh_cols<NG, 1>(v, p, acc, nb, D, TS, BS, d);
 }
 
+#ifdef PDSERVE_AVX512
+// group_scores and group_weigh 16 lanes wide (head_dim a multiple of 16): the same loops, each
+// dot product summed over other lanes (results differ from the 8-lane loops in the last bits).
+template <int NG, typename T>
+inline void group_scores16(const T* k, const float* q, float* s, int64_t nb, int64_t D, int64_t TS, int64_t BS,
+                           Prefetcher& pf) {
+  int64_t t = 0;
+  for (; t + 4 <= nb; t += 4) {
+    __m512 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = load16(k + (t + j) * TS + d);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 qv = _mm512_loadu_ps(q + g * D + d);
+        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(qv, kv[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      _mm_storeu_ps(s + g * BS + t, hsum4(fold(a[g][0]), fold(a[g][1]), fold(a[g][2]), fold(a[g][3])));
+    pf.step();
+  }
+  for (; t < nb; ++t) {
+    __m512 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 kv = load16(k + t * TS + d);
+      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kv, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) s[g * BS + t] = hsum(fold(a[g]));
+  }
+}
+
+template <int NG, int C, typename T>
+inline void group_weigh_cols16(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS,
+                               int64_t BS, int64_t d) {
+  __m512 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < C; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d + 16 * j);
+  for (int64_t t = 0; t < nb; ++t) {
+    __m512 vv[C];
+    for (int j = 0; j < C; ++j) vv[j] = load16(v + t * TS + d + 16 * j);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * BS + t]);
+      for (int j = 0; j < C; ++j) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < C; ++j) _mm512_storeu_ps(acc + g * D + d + 16 * j, a[g][j]);
+}
+
+template <int NG, typename T>
+inline void group_weigh16(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS, int64_t BS) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) group_weigh_cols16<NG, 4>(v, p, acc, nb, D, TS, BS, d);
+  for (; d < D; d += 16) group_weigh_cols16<NG, 1>(v, p, acc, nb, D, TS, BS, d);
+}
+#endif
+
 // f(c, h0, NG) for every KV head c and its query heads h0.., in groups of up to 3 (NG).
 template <typename F>
 inline void head_groups(int64_t kv_heads, int64_t G, F f) {
@@ -229,6 +325,16 @@ inline void softmax_block(float* s, float* m, float* l, float* acc, int64_t nb, 
     }
     float sum = 0.f;
     int64_t t = 0;
+#ifdef PDSERVE_AVX512
+    const __m512 mv16 = _mm512_set1_ps(top);
+    __m512 sv16 = _mm512_setzero_ps();
+    for (; t + 16 <= nb; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mv16));
+      _mm512_storeu_ps(sh + t, e);
+      sv16 = _mm512_add_ps(sv16, e);
+    }
+    sum = hsum(fold(sv16));
+#endif
 #ifdef PDSERVE_AVX2
     const __m256 mv = _mm256_set1_ps(top);
     __m256 sv = _mm256_setzero_ps();
@@ -237,7 +343,7 @@ inline void softmax_block(float* s, float* m, float* l, float* acc, int64_t nb, 
       _mm256_storeu_ps(sh + t, e);
       sv = _mm256_add_ps(sv, e);
     }
-    sum = hsum(sv);
+    sum += hsum(sv);
 #endif
     for (; t < nb; ++t) {
       sh[t] = std::exp(sh[t] - top);
@@ -267,6 +373,23 @@ void attend_item(const float* qf, const BlockRef<T>* blocks, int64_t b, int64_t 
     const T* vb = blocks[j].v;
     // one prefetch step per 4 tokens of each head group's scores
     pf.start(j + kAhead < n ? blocks + j + kAhead : nullptr, TS, g.kv_heads * ((G + 2) / 3) * std::max<int64_t>(1, BS / 4));
+#ifdef PDSERVE_AVX512
+    if (D % 16 == 0) {
+      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
+        if (ng == 3) group_scores16<3>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+        else if (ng == 2) group_scores16<2>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+        else group_scores16<1>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+      });
+      pf.rest();
+      softmax_block(s, m, l, acc, nb, H, D, BS);
+      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
+        if (ng == 3) group_weigh16<3>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+        else if (ng == 2) group_weigh16<2>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+        else group_weigh16<1>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+      });
+      continue;
+    }
+#endif
 #ifdef PDSERVE_AVX2
     if (D % 8 == 0) {
       head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
@@ -421,12 +544,42 @@ inline void store8(uint16_t* p, __m256 x) {
 }
 #endif
 
+#ifdef PDSERVE_AVX512
+// rnd8 and store8 on 16 lanes: the same roundings (a prompt chunk's elementwise work is 16 lanes a step)
+inline __m512 rnd16_bf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __m512i nan = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+  const __mmask16 pick = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_mask_blend_epi32(pick, rounded, nan), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline __m512 rnd16(__m512 x, float*) { return x; }
+inline __m512 rnd16(__m512 x, uint16_t*) { return rnd16_bf16(x); }
+template <typename T>
+inline __m512 rnd16(__m512 x) { return rnd16(x, static_cast<T*>(nullptr)); }
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+}
+#endif
+
 // rows of at least ~16K elements per thread: a decode batch's row runs on one thread
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
 
 inline float sum_squares(const float* x, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
+#ifdef PDSERVE_AVX512
+  __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+    b0 = _mm512_fmadd_ps(x0, x0, b0);
+    b1 = _mm512_fmadd_ps(x1, x1, b1);
+  }
+  total = hsum(fold(_mm512_add_ps(b0, b1)));
+#endif
 #ifdef PDSERVE_AVX2
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   for (; i + 16 <= n; i += 16) {
@@ -434,7 +587,7 @@ inline float sum_squares(const float* x, int64_t n) {
     a0 = _mm256_fmadd_ps(x0, x0, a0);
     a1 = _mm256_fmadd_ps(x1, x1, a1);
   }
-  total = hsum(_mm256_add_ps(a0, a1));
+  total += hsum(_mm256_add_ps(a0, a1));
 #endif
   for (; i < n; ++i) total += x[i] * x[i];
   return total;
@@ -453,6 +606,13 @@ void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows,
       int64_t i0 = 0;
       if (delta != nullptr) {
         const D* d = delta + t * delta_stride;
+#ifdef PDSERVE_AVX512
+        for (; i0 + 16 <= width; i0 += 16) {
+          const __m512 v = rnd16<R>(_mm512_add_ps(load16(r + i0), rnd16<R>(load16(d + i0))));
+          store16(r + i0, v);
+          _mm512_storeu_ps(x.data() + i0, v);
+        }
+#endif
 #ifdef PDSERVE_AVX2
         for (; i0 + 8 <= width; i0 += 8) {
           const __m256 v = rnd8<R>(_mm256_add_ps(load8(r + i0), rnd8<R>(load8(d + i0))));
@@ -471,6 +631,11 @@ void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows,
       const float scale = 1.f / std::sqrt(sum_squares(x.data(), width) / static_cast<float>(width) + eps);
       O* o = out + t * width;
       int64_t i = 0;
+#ifdef PDSERVE_AVX512
+      const __m512 sv16 = _mm512_set1_ps(scale);
+      for (; i + 16 <= width; i += 16)
+        store16(o + i, rnd16<O>(_mm512_mul_ps(load16(w + i), rnd16<O>(_mm512_mul_ps(_mm512_loadu_ps(x.data() + i), sv16)))));
+#endif
 #ifdef PDSERVE_AVX2
       const __m256 sv = _mm256_set1_ps(scale);
       for (; i + 8 <= width; i += 8)
@@ -507,6 +672,15 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
         if (dst == nullptr) continue;
         // pairs (x_i, x_{i + half}): roll(x)_i = x_{i + half}, roll(x)_{i + half} = x_i
         int64_t i = 0;
+#ifdef PDSERVE_AVX512
+        for (; i + 16 <= half; i += 16) {
+          const __m512 lo = rnd16<C>(load16(src + i)), hi = rnd16<C>(load16(src + half + i));
+          store16(dst + i, rnd16<C>(_mm512_add_ps(rnd16<C>(_mm512_mul_ps(lo, load16(c + i))),
+                                                  rnd16<C>(_mm512_mul_ps(hi, load16(s + i))))));
+          store16(dst + half + i, rnd16<C>(_mm512_add_ps(rnd16<C>(_mm512_mul_ps(hi, load16(c + half + i))),
+                                                         rnd16<C>(_mm512_mul_ps(lo, load16(s + half + i))))));
+        }
+#endif
 #ifdef PDSERVE_AVX2
         for (; i + 8 <= half; i += 8) {
           const __m256 lo = rnd8<C>(load8(src + i)), hi = rnd8<C>(load8(src + half + i));
@@ -527,6 +701,9 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
         const F* src = row + (heads + kv_heads + h) * dim;
         C* dst = v_cache + slot * slot_stride + h * dim;
         int64_t i = 0;
+#ifdef PDSERVE_AVX512
+        for (; i + 16 <= dim; i += 16) store16(dst + i, rnd16<C>(load16(src + i)));
+#endif
 #ifdef PDSERVE_AVX2
         for (; i + 8 <= dim; i += 8) store8(dst + i, rnd8<C>(load8(src + i)));
 #endif
@@ -545,6 +722,14 @@ void silu_mul_impl(const T* gate_up, int64_t stride, T* out, int64_t rows, int64
       const T* up = gr + width;
       T* o = out + t * width;
       int64_t i = 0;
+#ifdef PDSERVE_AVX512
+      const __m512 one16 = _mm512_set1_ps(1.f);
+      for (; i + 16 <= width; i += 16) {
+        const __m512 x = load16(gr + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        store16(o + i, rnd16<T>(_mm512_mul_ps(rnd16<T>(_mm512_div_ps(x, _mm512_add_ps(one16, e))), load16(up + i))));
+      }
+#endif
 #ifdef PDSERVE_AVX2
       const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
       for (; i + 8 <= width; i += 8) {
@@ -771,10 +956,12 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return padded.view({P, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] fp32 times the packed W [N, K] (pack_panels), plus bias [N] fp32 if given: [M, N] fp32.
+// x [M, K] fp32 (bf16 is widened first) times the packed W [N, K] (pack_panels), plus bias [N] fp32 if
+// given: [M, N] fp32.
 torch::Tensor gemm_panels(torch::Tensor x, torch::Tensor panels, int64_t out_features,
                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gemm_panels: x must be 2-D float32");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "gemm_panels: x must be 2-D float32 or bfloat16 (widened to float32)");
   TORCH_CHECK(panels.dim() == 3 && (panels.scalar_type() == at::kBFloat16 || panels.scalar_type() == at::kFloat) &&
                   panels.size(2) == kPanel && panels.is_contiguous() && panels.size(1) == x.size(1) &&
                   out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
@@ -785,7 +972,7 @@ torch::Tensor gemm_panels(torch::Tensor x, torch::Tensor panels, int64_t out_fea
                     bias->is_contiguous(), "gemm_panels: bias must be float32 [out_features]");
     b = bias->data_ptr<float>();
   }
-  const auto xc = x.contiguous();
+  const auto xc = x.to(at::kFloat).contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = out_features;
   auto y = torch::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
@@ -851,4 +1038,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
   m.def("pack_panels", &pack_panels, "a bf16 or fp32 weight packed for gemm_panels (CPU)");
   m.def("gemm_panels", &gemm_panels, "x W^T + b on a packed bf16 or fp32 weight, a few rows (CPU)");
+  m.def("amx_available", &amx_available, "whether this CPU and OS run the AMX-BF16 GEMM");
+  m.def("pack_tiles", &pack_tiles, "a bf16 weight packed as AMX B tiles for gemm_tiles (CPU)");
+  m.def("gemm_tiles", &gemm_tiles, "x W^T + b on AMX tiles, bf16 in, bf16 or fp32 out (CPU)");
 }

@@ -28,7 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the torch path)
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module; it registers the AMX GEMM's functions too
+_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"))
 _NAME = "pdserve_cpu_decode"
 _LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
 DTYPES = (torch.float32, torch.bfloat16)  # what the compiled ops take
@@ -41,12 +42,16 @@ def enabled() -> bool:
 
 
 def _cpu_flags() -> list[str]:
-    """-mavx2 -mfma where this CPU runs them (what the source's fast path needs), else nothing."""
+    """-mavx2 -mfma where this CPU runs them (what the source's fast path needs), with -mavx512f
+    -mavx512dq where it runs those too (the attention's 16-lane loops), else nothing. (The AMX GEMM
+    is compiled for its instructions alone and asks the CPU at run time: cpu_amx.cpp.)"""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    if not {"avx2", "fma"} <= flags:
+        return []
+    return ["-mavx2", "-mfma", *(["-mavx512f", "-mavx512dq"] if {"avx512f", "avx512dq"} <= flags else [])]
 
 
 def _build_dir() -> tuple[Path, list[str]]:
@@ -57,7 +62,7 @@ def _build_dir() -> tuple[Path, list[str]]:
     from pdserve.engine.loader import cache_dir  # here: pdserve.engine imports this package
 
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()]
-    tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
     root = Path(sys.prefix) / "var" / "pdserve"
     if not (root / "cpu_decode" / tag / _LIBRARY).exists() \
             and not os.access(root if root.exists() else Path(sys.prefix), os.W_OK):
@@ -95,7 +100,7 @@ def build():
     if bin_dir not in os.environ["PATH"].split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
     module = load_extension(
-        _NAME, [str(_SOURCE)], extra_cflags=flags,
+        _NAME, [str(p) for p in _SOURCES if p.suffix == ".cpp"], extra_cflags=flags,
         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
     )
     logger.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - start, directory)

@@ -58,8 +58,10 @@ def test_the_panel_gemm_refuses_what_does_not_fit(ops):
     w16 = torch.randn(20, 8).bfloat16()
     panels = ops.pack_panels(w16)
     x = torch.randn(3, 8)
-    with pytest.raises(RuntimeError, match="x must be 2-D float32"):
-        ops.gemm_panels(x.bfloat16(), panels, 20, None)
+    with pytest.raises(RuntimeError, match="x must be 2-D float32 or bfloat16"):
+        ops.gemm_panels(x.double(), panels, 20, None)
+    with pytest.raises(RuntimeError, match="x must be 2-D float32 or bfloat16"):
+        ops.gemm_panels(x[None], panels, 20, None)
     with pytest.raises(RuntimeError, match="panels must be"):
         ops.gemm_panels(torch.randn(3, 9), panels, 20, None)  # another depth
     with pytest.raises(RuntimeError, match="panels must be"):
@@ -70,6 +72,14 @@ def test_the_panel_gemm_refuses_what_does_not_fit(ops):
         ops.pack_panels(torch.randn(4, 4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="a 2-D bfloat16 or float32 weight"):
         ops.pack_panels(torch.randn(4).bfloat16())
+
+
+def test_the_panel_gemm_widens_bf16_rows_first(ops):
+    # a bf16 model's attention output goes to its o_proj as it is (models/llama.py: forward_direct)
+    w16 = torch.randn(40, 24).bfloat16()
+    panels = ops.pack_panels(w16)
+    x = torch.randn(5, 24).bfloat16()
+    assert torch.equal(ops.gemm_panels(x, panels, 40, None), ops.gemm_panels(x.float(), panels, 40, None))
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])

@@ -204,8 +204,8 @@ def _forward(model: LlamaForCausalLM, dtype: torch.dtype, native: bool) -> tuple
 
 
 def _model(form: str) -> tuple[LlamaForCausalLM, torch.dtype]:
-    """The test model with random weights: float32, bf16 (native bf16 GEMMs), or bf16 with fp32
-    GEMMs on its values (models/cpu_bf16.py)."""
+    """The test model with random weights: float32, bf16 (native bf16 GEMMs: torch's, or the AMX
+    tiles' where the CPU has AMX), or bf16 with fp32 GEMMs on its values (models/cpu_bf16.py)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(qkv_bias=True), 64)
     with torch.no_grad():
@@ -216,10 +216,15 @@ def _model(form: str) -> tuple[LlamaForCausalLM, torch.dtype]:
     model.rotary.float()
     if form == "bf16-via-fp32":
         use_fp32_gemms_for_bf16(model)
+    if form == "bf16-amx":
+        native = cpu_native.load()
+        if native is None or not native.amx_available():
+            pytest.skip("no AMX-BF16 on this CPU: bf16 layers keep F.linear")
+        assert layers.pack_cpu_linears(model) > 0 and model.layers[0].mlp.down_proj.tiles is not None
     return model, dtype
 
 
-@pytest.mark.parametrize("form", ["float32", "bf16-native-gemms", "bf16-via-fp32"])
+@pytest.mark.parametrize("form", ["float32", "bf16-native-gemms", "bf16-via-fp32", "bf16-amx"])
 def test_a_forward_with_the_ops_matches_the_torch_code(ops, form):
     model, dtype = _model(form)
     cfg = model.config
@@ -247,7 +252,7 @@ def _packed_model(form: str, monkeypatch) -> tuple[LlamaForCausalLM, torch.dtype
     return model, dtype
 
 
-@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32"])
+@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx"])
 def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch):
     model, dtype = _packed_model(form, monkeypatch)
     direct_calls = []

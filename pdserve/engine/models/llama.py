@@ -217,7 +217,7 @@ class DecoderLayer(nn.Module):
 
     def direct_gemms(self, rows: int) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
         """The GEMMs of the qkv, o, gate_up and down projections as plain calls when each of them,
-        at `rows` rows, is exactly one GEMM with its fp32 output handed on (parallel/layers.py:
+        at `rows` rows, is exactly one GEMM with its output handed on as it is (parallel/layers.py:
         direct_gemm; models/cpu_bf16.py); else None."""
         gemms = []
         for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
@@ -236,8 +236,7 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = gemms
         h, residual = self.input_layernorm.add_norm(x, residual, native)
         out = self.self_attn.attend(positions, qkv(h), meta, kv_cache, rotary, native)
-        h, residual = self.post_attention_layernorm.add_norm(o(out if out.dtype == torch.float32 else out.float()),
-                                                             residual, native)
+        h, residual = self.post_attention_layernorm.add_norm(o(out), residual, native)
         return down(native.silu_mul(gate_up(h))), residual
 
     def hand_fp32_to_gemms(self) -> None:

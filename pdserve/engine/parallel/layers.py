@@ -12,8 +12,9 @@ At size 1 every layer is the plain nn.Linear / nn.Embedding (same parameters, sa
 collective). The collective runs in `tp_combine`, a plain function attribute (None at size 1) so
 that a layer swap keeping it (engine/models/cpu_bf16.py) keeps the layer's semantics.
 
-On a CPU every layer of at least PACK_MIN_WEIGHTS weights also holds its weight reordered for
-oneDNN (`pack_cpu_linears`, at load time); `cpu_linear` says when it is used and why.
+On a CPU every fp32 layer of at least PACK_MIN_WEIGHTS weights also holds its weight reordered for
+oneDNN and in panels, and on a CPU with AMX every bf16 layer its weight as AMX tiles
+(`pack_cpu_linears`, at load time); `cpu_linear` says when each is used and why.
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ class ColumnParallelLinear(nn.Linear):
         self.tp_combine = None  # the next layer takes the rank's rows as they are
         self.packed = None  # oneDNN's copy of the weight (pack_cpu_linears)
         self.panels: Panels | None = None  # the weight in panels for a few rows (pack_cpu_linears)
+        self.tiles: Tiles | None = None  # a bf16 weight as AMX tiles (pack_cpu_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear(x, self.weight, self.bias, self.packed, self.panels)
+        return cpu_linear(x, self.weight, self.bias, self.packed, self.panels, self.tiles)
 
     def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return direct_gemm(self.packed, self.bias, rows, None, self.panels)
+        return direct_gemm(self.packed, self.bias, rows, None, self.panels, self.tiles)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_rows = self.parts[part]
@@ -64,13 +66,14 @@ class RowParallelLinear(nn.Linear):
         self.tp_combine = all_reduce if size > 1 else None
         self.packed = None
         self.panels: Panels | None = None
+        self.tiles: Tiles | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_linear(x, self.weight, self.bias, self.packed, self.panels)
+        y = cpu_linear(x, self.weight, self.bias, self.packed, self.panels, self.tiles)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        return direct_gemm(self.packed, self.bias, rows, self.tp_combine, self.panels)
+        return direct_gemm(self.packed, self.bias, rows, self.tp_combine, self.panels, self.tiles)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
         start, end, full_in = self.in_range
@@ -104,9 +107,10 @@ class ParallelLMHead(nn.Linear):
         self.tp_combine = functools.partial(_gather_vocab, vocab_size=vocab_size) if size > 1 else None
         self.packed = None
         self.panels: Panels | None = None
+        self.tiles: Tiles | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, vocab]
-        y = cpu_linear(hidden, self.weight, self.bias, self.packed, self.panels)
+        y = cpu_linear(hidden, self.weight, self.bias, self.packed, self.panels, self.tiles)
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def load_shard(self, param_name: str, full: torch.Tensor, part: int = 0) -> None:
@@ -124,11 +128,19 @@ PACK_MIN_WEIGHTS = 1 << 17
 # 0.52-0.60x oneDNN's time at 16 rows and 0.74-0.96x at 64; beyond, the comparison flipped with the
 # machine's phase (0.82-0.92x in one run, 1.10-1.28x in another at 128-512 rows: benchmarks/RESULTS.md)
 PANEL_MAX_ROWS = 64
+# Up to this many rows a bf16 layer with AMX tiles runs pdserve's AMX GEMM (Tiles); beyond, F.linear
+# (oneDNN's AMX matmul). On the default model's shapes (2 cores with AMX, 121 GEMMs in turn) the tiles
+# took 10.4-11 ms from 1 to 16 rows (the weights' streaming time) against oneDNN's 14-15 ms on a
+# reordered copy and F.linear's 20-22; 0.78x F.linear at 64 rows, level at 512, 1.05x at 1024 and 1.7x
+# at 2048 (the rows of x no longer fit L2 beside the weights: benchmarks/RESULTS.md, eighth part)
+TILE_MAX_ROWS = 512
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-               packed: torch.Tensor | None, panels: Panels | None = None) -> torch.Tensor:
-    """x W^T + b. From 1 to PANEL_MAX_ROWS rows of x, with the weight in panels (`panels`),
+               packed: torch.Tensor | None, panels: Panels | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+    """x W^T + b. From 1 to TILE_MAX_ROWS rows of bf16 x, with the bf16 weight as AMX tiles
+    (`tiles`), pdserve's AMX GEMM computes it (kernels/cpu_amx.cpp: fp32 sums, one rounding to bf16).
+    From 1 to PANEL_MAX_ROWS rows of x, with the weight in panels (`panels`),
     pdserve's few-row GEMM computes it (kernels/cpu_decode.cpp: gemm_panels; on an AVX2 EPYC, 2
     threads, the default model's fp32 decode GEMMs took 0.5-0.6x oneDNN's time at one row and at
     16, fp32 sums in k order). Otherwise, with a oneDNN copy of W (`packed`), oneDNN computes it: MKL's GEMM
@@ -138,6 +150,8 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     rows; at 512 rows 0.62x on gate_up, 0.92x on qkv, tied on o and down; at one row 0.64-0.92x
     except down_proj (1.14-1.49x; a layer's four GEMVs together 0.78-0.88x). All are fp32 GEMMs
     with fp32 sums; only the summation order differs. `weight` may be None where `packed` is set."""
+    if tiles is not None and x.dim() == 2 and 0 < x.shape[0] <= TILE_MAX_ROWS:
+        return tiles(x, bias)
     if panels is not None and x.dim() == 2 and 0 < x.shape[0] <= PANEL_MAX_ROWS:
         return panels(x, bias)
     if packed is None or x.numel() == 0:
@@ -146,18 +160,22 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
 
 
 def onednn_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b on W's oneDNN copy (fp32, at least one row)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x W^T + b on W's oneDNN copy (fp32, at least one row; bf16 x is widened first)."""
+    return torch.ops.mkldnn._linear_pointwise(x if x.dtype == torch.float32 else x.float(), packed, bias, "none", [], "")
 
 
 def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: int,
-                tp_combine, panels: Panels | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The GEMM a layer's forward on `rows` rows of fp32 x is, exactly, when its output is handed
-    on as it is: the panels' (1 to PANEL_MAX_ROWS rows) or `onednn_gemm` on (packed, bias) (a
-    oneDNN copy, at least one row); None with a collective after it or neither. A model calls such
-    layers' GEMMs straight (models/llama.py: DecoderLayer.forward_direct)."""
+                tp_combine, panels: Panels | None = None,
+                tiles: Tiles | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The GEMM a layer's forward on `rows` rows of x is, exactly, when its output is handed on as
+    it is: the AMX tiles' (bf16, 1 to TILE_MAX_ROWS rows), the panels' (1 to PANEL_MAX_ROWS rows) or
+    `onednn_gemm` on (packed, bias) (a oneDNN copy, at least one row); None with a collective after
+    it or none of them. A model calls such layers' GEMMs straight (models/llama.py:
+    DecoderLayer.forward_direct)."""
     if rows < 1 or tp_combine is not None:
         return None
+    if tiles is not None and rows <= TILE_MAX_ROWS:
+        return functools.partial(tiles, bias=bias)
     if panels is not None and rows <= PANEL_MAX_ROWS:
         return functools.partial(panels, bias=bias)
     if packed is None:
@@ -167,7 +185,8 @@ def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: in
 
 class Panels:
     """A weight [N, K] (bf16 or fp32) packed in 16-column panels for the compiled few-row GEMM
-    (kernels/cpu_decode.cpp: pack_panels, gemm_panels); called as panels(x fp32 [M, K], bias)."""
+    (kernels/cpu_decode.cpp: pack_panels, gemm_panels); called as panels(x [M, K], bias): fp32 out
+    (bf16 x is widened first)."""
 
     __slots__ = ("gemm", "panels", "out_features")
 
@@ -178,6 +197,29 @@ class Panels:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.gemm(x, self.panels, self.out_features, bias)
+
+
+class Tiles:
+    """A bf16 weight [N, K] packed as AMX tiles (kernels/cpu_amx.cpp: pack_tiles, gemm_tiles); called
+    as tiles(x bf16 [M, K], bias): bf16 [M, N], the fp32 sums rounded once."""
+
+    __slots__ = ("gemm", "tiles", "out_features")
+
+    def __init__(self, native, weight: torch.Tensor) -> None:
+        self.gemm = native.gemm_tiles
+        self.tiles = native.pack_tiles(weight.detach())
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.gemm(x, self.tiles, self.out_features, bias, True)
+
+
+def amx_tiles(weight: torch.Tensor) -> Tiles | None:
+    """AMX tiles of a bf16 CPU weight where the compiled ops load and the CPU runs AMX-BF16, else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    native = cpu_native.load()
+    return Tiles(native, weight) if native is not None and native.amx_available() else None
 
 
 def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -191,16 +233,18 @@ def onednn_packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def pack_cpu_linears(model: nn.Module) -> int:
     """Give every big enough fp32 CPU layer of `model` its oneDNN copy and, where the compiled ops
-    load (kernels/cpu_native.py), its weight in panels for decode rows (load time, after the
-    weights and the dtype are final); returns how many got a oneDNN copy. The layer keeps its
-    weight (the model's parameter): with both copies it holds its weights three times."""
+    load (kernels/cpu_native.py), its weight in panels for decode rows, and every bf16 CPU layer
+    its AMX tiles where the CPU has AMX (load time, after the weights and the dtype are final);
+    returns how many got a copy. The layer keeps its weight (the model's parameter): an fp32 layer
+    with both copies holds its weights three times, a bf16 layer with tiles twice."""
     num = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.tiles = amx_tiles(module.weight)
             module.packed = onednn_packed_weight(module.weight)
             native = cpu_native.load() if module.packed is not None else None
             module.panels = None if native is None else Panels(native, module.weight)
-            num += module.packed is not None
+            num += module.packed is not None or module.tiles is not None
     return num
 
 

@@ -1,0 +1,12 @@
+// bf16 GEMMs on AMX tiles (cpu_amx.cpp), registered in cpu_decode.cpp's module.
+#pragma once
+#include <torch/extension.h>
+
+// Whether this CPU has AMX-BF16 (and AVX512-BF16) and the OS lets this process use the tiles.
+bool amx_available();
+// W [N, K] bf16 as gemm_tiles reads it: [ceil(N / 16), ceil(K / 32), 512] bf16, zero-padded.
+torch::Tensor pack_tiles(torch::Tensor weight);
+// x [M, K] bf16 times the packed W (pack_tiles), plus bias [N] if given: [M, N], bf16 (rounded once
+// from the fp32 sums) or fp32.
+torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_features, c10::optional<torch::Tensor> bias,
+                         bool out_bf16);
