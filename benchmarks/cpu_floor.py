@@ -15,6 +15,8 @@ Everything is measured here, in one process, as medians of --repeats:
                 mkl-packed-float32  MKL's packed sgemm; its pack is valid for one batch size only
                 pdserve-panels-<dtype>  the engine's own GEMM on the weights in panels
                                     (kernels/cpu_decode.cpp; bf16 and fp32 models, where the ops build)
+                pdserve-tiles-bfloat16  the engine's AMX GEMM on bf16 weights packed as tiles
+                                    (kernels/cpu_amx.cpp; bf16 models on CPUs with AMX)
               The paths take turns within every repeat, so drift hits them alike; the fastest
               median is the floor.
   bandwidth   read bandwidth: a sum over a tensor far larger than the last-level cache.
@@ -104,6 +106,18 @@ def _panels_path(dtype: torch.dtype):
     return prepare, torch.float32
 
 
+def _tiles_path():
+    """pdserve's AMX GEMM on bf16 weights packed as tiles (kernels/cpu_amx.cpp), bf16 in and out."""
+    from pdserve.kernels import cpu_native
+
+    ops = cpu_native.load()
+
+    def prepare(w: torch.Tensor, batch: int) -> Callable:
+        tiles = ops.pack_tiles(w.to(torch.bfloat16))
+        return lambda x: ops.gemm_tiles(x, tiles, w.shape[0], None, True)
+    return prepare, torch.bfloat16
+
+
 def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
     paths = {f"torch-{_name(dtype)}": _torch_path(dtype)}
     if dtype != torch.float32:
@@ -118,6 +132,8 @@ def gemm_paths(dtype: torch.dtype) -> dict[str, tuple[Callable, torch.dtype]]:
 
     if dtype in (torch.bfloat16, torch.float32) and cpu_native.load() is not None:  # what a layer runs at 1-64 rows
         paths[f"pdserve-panels-{_name(dtype)}"] = _panels_path(dtype)
+        if dtype == torch.bfloat16 and cpu_native.load().amx_available():
+            paths["pdserve-tiles-bfloat16"] = _tiles_path()
     return paths
 
 
@@ -183,7 +199,22 @@ def engine_weight_bytes(model) -> int:
     tables (a few rows)."""
     skip = {id(model.embed_tokens), id(model.rotary)}
     return sum(t.numel() * t.element_size() for module in model.modules() if id(module) not in skip
-               for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)] if t is not None)
+               for t in [*module.parameters(recurse=False), *module.buffers(recurse=False), *_gemm_copies(module)]
+               if t is not None)
+
+
+def _gemm_copies(module) -> list:
+    """The weight copies a layer keeps outside its parameters and buffers (parallel/layers.py): the
+    panels, the AMX tiles and oneDNN's copy (counted by its elements)."""
+    copies = []
+    for name, inner in (("panels", "panels"), ("tiles", "tiles")):
+        holder = getattr(module, name, None)
+        if holder is not None and isinstance(getattr(holder, inner, None), torch.Tensor):
+            copies.append(getattr(holder, inner))
+    packed = getattr(module, "packed", None)
+    if isinstance(packed, torch.Tensor) and not any(packed is b for b in module.buffers(recurse=False)):
+        copies.append(packed)
+    return copies
 
 
 def engine_step_ms(args, batch: int, floor_calls: list | None = None,

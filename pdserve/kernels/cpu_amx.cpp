@@ -235,13 +235,21 @@ torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featu
   if (M == 0) return y;
 #ifdef PDSERVE_AMX
   // A tiles read whole tiles: x as it is when its rows are, else a copy padded with zeros
+  // (a buffer of this thread's, not a new tensor: a decode step makes 121 such calls)
   const int64_t Mp = (M + kRows - 1) / kRows * kRows, Kp = KT * kDepth;
-  torch::Tensor a = x;
+  const uint16_t* ap = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  thread_local std::vector<uint16_t> padded;
   if (M != Mp || K != Kp || x.stride(1) != 1 || x.stride(0) != K) {
-    a = torch::zeros({Mp, Kp}, x.options());
-    a.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+    padded.assign(Mp * Kp, 0);
+    const int64_t row = x.stride(0);
+    if (x.stride(1) == 1) {
+      for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * Kp, ap + r * row, K * sizeof(uint16_t));
+    } else {
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t k = 0; k < K; ++k) padded[r * Kp + k] = ap[r * row + k * x.stride(1)];
+    }
+    ap = padded.data();
   }
-  const auto* ap = reinterpret_cast<const uint16_t*>(a.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(tiles.data_ptr());
   void* yp = y.data_ptr();
   const int64_t blocks = Mp / kRows, group = blocks == 1 ? 4 : 2;

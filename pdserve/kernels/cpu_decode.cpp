@@ -1031,6 +1031,62 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
   }
 }
 
+// ---- a step of decodes through the model's layers, in one call --------------------------------
+// DecoderLayer.forward_direct (engine/models/llama.py) for layers [0, L), the same ops in the same
+// order, so the same bits, without ~40 us of Python a layer (a one-row step of the default model is
+// ~12 ms). Per layer: two norm weights (fp32 where the norm hands fp32 to a bf16 model's fp32 GEMMs,
+// else the residual's dtype), four GEMMs of kind 0 (AMX tiles: cpu_amx.cpp, bf16 out) or 1 (panels:
+// gemm_panels, fp32 out) with their packed weights, output widths and biases (an empty tensor: none),
+// and the layer's K/V caches. The decode attention's arguments are the step's (cpu_attention:
+// _DirectDecode). Returns (the last layer's MLP output, the residual stream before it).
+namespace {
+torch::Tensor layer_gemm(const torch::Tensor& x, int64_t kind, const torch::Tensor& w, int64_t n,
+                         const torch::Tensor& bias) {
+  c10::optional<torch::Tensor> b;
+  if (bias.numel() > 0) b = bias;
+  if (kind == 0) return gemm_tiles(x, w, n, b, true);
+  return gemm_panels(x, w, n, b);
+}
+}  // namespace
+
+std::vector<torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::Tensor> residual_in,
+                                         std::vector<torch::Tensor> norm_weights, std::vector<int64_t> kinds,
+                                         std::vector<torch::Tensor> gemm_weights, std::vector<int64_t> widths,
+                                         std::vector<torch::Tensor> biases, std::vector<torch::Tensor> k_caches,
+                                         std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin_signed,
+                                         torch::Tensor slot_mapping, int64_t heads, torch::Tensor tables,
+                                         torch::Tensor seq_lens, torch::Tensor seqs, torch::Tensor rows, double scale,
+                                         double eps) {
+  const size_t L = k_caches.size();
+  TORCH_CHECK(v_caches.size() == L && norm_weights.size() == 2 * L && kinds.size() == 4 * L &&
+                  gemm_weights.size() == 4 * L && widths.size() == 4 * L && biases.size() == 4 * L,
+              "decode_layers: per layer 2 norm weights, 4 GEMMs (kind, weight, width, bias) and 2 caches");
+  for (const int64_t k : kinds) TORCH_CHECK(k == 0 || k == 1, "decode_layers: GEMM kind 0 (tiles) or 1 (panels)");
+  torch::Tensor residual;
+  bool has_residual = residual_in.has_value();
+  if (has_residual) residual = *residual_in;
+  for (size_t i = 0; i < L; ++i) {
+    const auto norm = [&](const torch::Tensor& delta, const torch::Tensor& w) {
+      if (!has_residual) {  // the first layer of the model: the residual is x itself
+        residual = delta;
+        has_residual = true;
+        return add_rms_norm(residual, c10::nullopt, w, eps, w.scalar_type() == at::kFloat && is_bf16(residual));
+      }
+      return add_rms_norm(residual, delta, w, eps, w.scalar_type() == at::kFloat && is_bf16(residual));
+    };
+    const auto gemm = [&](const torch::Tensor& in, size_t j) {
+      return layer_gemm(in, kinds[4 * i + j], gemm_weights[4 * i + j], widths[4 * i + j], biases[4 * i + j]);
+    };
+    torch::Tensor h = norm(x, norm_weights[2 * i]);
+    torch::Tensor q = rope_store_kv(gemm(h, 0), cos, sin_signed, k_caches[i], v_caches[i], slot_mapping, heads);
+    torch::Tensor out = torch::empty_like(q);
+    decode_attention(q, k_caches[i], v_caches[i], tables, seq_lens, seqs, rows, out, scale);
+    h = norm(gemm(out.view({out.size(0), -1}), 1), norm_weights[2 * i + 1]);
+    x = gemm(silu_mul(gemm(h, 2)), 3);
+  }
+  return {x, residual};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention over the block table (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (CPU)");
@@ -1038,6 +1094,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
   m.def("pack_panels", &pack_panels, "a bf16 or fp32 weight packed for gemm_panels (CPU)");
   m.def("gemm_panels", &gemm_panels, "x W^T + b on a packed bf16 or fp32 weight, a few rows (CPU)");
+  m.def("decode_layers", &decode_layers, "a step of decodes through decoder layers, in one call (CPU)");
   m.def("amx_available", &amx_available, "whether this CPU and OS run the AMX-BF16 GEMM");
   m.def("pack_tiles", &pack_tiles, "a bf16 weight packed as AMX B tiles for gemm_tiles (CPU)");
   m.def("gemm_tiles", &gemm_tiles, "x W^T + b on AMX tiles, bf16 in, bf16 or fp32 out (CPU)");

@@ -173,12 +173,12 @@ class CountingOps:
         return call
 
 
-def _forward(model: LlamaForCausalLM, dtype: torch.dtype, native: bool) -> tuple[torch.Tensor, list]:
-    """A prefill of 9 tokens, a chunk of 5 more tokens over 6 cached, and two decodes, in one batch;
-    returns the last hidden rows and the caches."""
+def _forward(model: LlamaForCausalLM, dtype: torch.dtype, native: bool, q_lens=(9, 5, 1, 1),
+             seq_lens=(9, 11, 7, 20)) -> tuple[torch.Tensor, list]:
+    """By default a prefill of 9 tokens, a chunk of 5 more tokens over 6 cached, and two decodes, in
+    one batch; returns the last hidden rows and the caches."""
     cfg, block_size = model.config, 4
-    q_lens, seq_lens = [9, 5, 1, 1], [9, 11, 7, 20]
-    tables = torch.full((4, 6), -1, dtype=torch.int32)
+    tables = torch.full((len(q_lens), 6), -1, dtype=torch.int32)
     slots, positions, next_block = [], [], 0
     for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         num = -(-seq_len // block_size)
@@ -269,6 +269,36 @@ def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch)
     assert torch.equal(direct, modules)
     for (ka, va), (kb, vb) in zip(caches_a, caches_b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx"])
+def test_the_compiled_layer_loop_gives_the_python_layers_bits(ops, form, monkeypatch):
+    # a step of decodes only: layers 1.. in one call (kernels/cpu_decode.cpp: decode_layers)
+    model, dtype = _packed_model(form, monkeypatch)
+    decodes = {"q_lens": (1, 1, 1), "seq_lens": (7, 20, 3)}
+    counting = CountingOps(ops)
+    with mock.patch.dict(cpu_native._state, {"module": counting}):
+        compiled, caches_a = _forward(model, dtype, native=True, **decodes)
+        assert counting.calls["decode_layers"] == 1
+        assert counting.calls["decode_attention"] == 1  # the first layer's, from Python
+        model.compiled_decode = False
+        plain, caches_b = _forward(model, dtype, native=True, **decodes)
+        assert counting.calls["decode_layers"] == 1 and counting.calls["decode_attention"] == 1 + model.config.num_layers
+        model.compiled_decode = True
+        _forward(model, dtype, native=True)  # prefill rows in the batch: the Python layers
+        assert counting.calls["decode_layers"] == 1
+    assert torch.equal(compiled, plain)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_no_compiled_layer_loop_where_a_gemm_is_onednns(ops, monkeypatch):
+    model, _ = _packed_model("float32", monkeypatch)  # fp32: oneDNN above the panels' 64 rows
+    assert model.compiled_layers(4) is not None
+    assert model.compiled_layers(layers.PANEL_MAX_ROWS + 1) is None
+    model.layers[1].mlp.down_proj.tp_combine = lambda y: y  # a collective: no direct GEMM at all
+    model.forget_direct_gemms()
+    assert model.compiled_layers(4) is None
 
 
 def test_the_model_chooses_its_layers_gemms_once_per_row_count(ops, monkeypatch):

@@ -34,10 +34,12 @@ from pdserve.engine.parallel.layers import (
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    compiled_gemm,
 )
 from pdserve.engine.parallel.sharding import check_tp, kv_head_range, q_head_range, shard_range
 from pdserve.engine.parallel.state import tp_rank, tp_size
 from pdserve.kernels import cpu_native, paged_attention, store_kv
+from pdserve.kernels.cpu_attention import DIRECT_DECODE
 
 # Row counts up to this keep their layers' chosen GEMMs (LlamaForCausalLM.layer_gemms): decode
 # batches; a prefill chunk's step is long enough that choosing again does not show.
@@ -274,6 +276,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_len)
         # rows -> each layer's direct_gemms(rows), chosen on the first forward of that many rows
         self._direct_gemms: dict[int, list] = {}
+        # rows -> the arguments of the compiled layer loop for layers 1.. (None: not every GEMM is one it runs)
+        self._compiled: dict[int, tuple | None] = {}
+        self.compiled_decode = True  # a step of decodes runs layers 1.. in one compiled call (decode_layers)
 
     def forward(
         self,
@@ -288,12 +293,44 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         direct = native is not None and isinstance(rotary, RotaryRows)
         plans = self.layer_gemms(x.shape[0]) if direct else itertools.repeat(None)
-        for layer, kv_cache, gemms in zip(self.layers, kv_caches, plans):
+        for i, (layer, kv_cache, gemms) in enumerate(zip(self.layers, kv_caches, plans)):
             if gemms is None:
                 x, residual = layer(positions, x, residual, meta, kv_cache, rotary, native)
             else:
                 x, residual = layer.forward_direct(positions, x, residual, meta, kv_cache, rotary, native, gemms)
+            if i == 0 and direct and self.compiled_decode and meta.plans is not None \
+                    and DIRECT_DECODE in meta.plans and len(self.layers) > 1:
+                rest = self.compiled_layers(x.shape[0])
+                if rest is not None:  # the first layer's attention found a step of decodes only
+                    d = meta.plans[DIRECT_DECODE]
+                    x, residual = native.decode_layers(
+                        x, residual, *rest, [c[0] for c in kv_caches[1:]], [c[1] for c in kv_caches[1:]],
+                        rotary.cos, rotary.sin_signed, meta.slot_mapping, layer.self_attn.num_heads, d.tables,
+                        d.seq_lens, d.seqs, d.rows, layer.self_attn.scale, layer.input_layernorm.eps)
+                    break
         return self.norm.add_norm(x, residual, native)[0]
+
+    def compiled_layers(self, rows: int) -> tuple | None:
+        """Layers 1.. as the compiled loop takes them (kernels/cpu_decode.cpp: decode_layers): norm
+        weights, GEMM kinds, packed weights, widths and biases; None unless every one of their GEMMs
+        is the tiles' or the panels' at `rows` rows. Kept per row count like layer_gemms."""
+        if rows in self._compiled:
+            return self._compiled[rows]
+        norms, kinds, weights, widths, biases = [], [], [], [], []
+        result = None
+        plans = self.layer_gemms(rows)
+        if all(p is not None for p in plans[1:]):
+            gemms = [compiled_gemm(g) for p in plans[1:] for g in p]
+            if all(g is not None for g in gemms):
+                for layer in self.layers[1:]:
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                        norms.append(norm.weight if norm.weight32 is None else norm.weight32)
+                for kind, packed, width, bias in gemms:
+                    kinds.append(kind), weights.append(packed), widths.append(width), biases.append(bias)
+                result = (norms, kinds, weights, widths, biases)
+        if rows <= DIRECT_GEMMS_KEPT_ROWS:
+            self._compiled[rows] = result
+        return result
 
     def layer_gemms(self, rows: int) -> list[list[Callable[[torch.Tensor], torch.Tensor]] | None]:
         """Each layer's direct_gemms(rows), chosen once per row count up to DIRECT_GEMMS_KEPT_ROWS
@@ -309,6 +346,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forget_direct_gemms(self) -> None:
         self._direct_gemms.clear()
+        self._compiled.clear()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocab float32 logits [S, vocab] on every rank (the lm_head gathers the vocab shards)."""

@@ -183,6 +183,19 @@ def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: in
     return functools.partial(onednn_gemm, packed=packed, bias=bias)
 
 
+def compiled_gemm(gemm: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, torch.Tensor, int, torch.Tensor] | None:
+    """A direct GEMM (`direct_gemm`) as the compiled layer loop takes it (kernels/cpu_decode.cpp:
+    decode_layers): (kind: 0 tiles, 1 panels; the packed weight; the output width; the bias, empty
+    for none), or None for oneDNN's, which only Python calls."""
+    func = getattr(gemm, "func", None)
+    if not isinstance(func, (Tiles, Panels)):
+        return None
+    bias = gemm.keywords.get("bias")
+    packed = func.tiles if isinstance(func, Tiles) else func.panels
+    return (0 if isinstance(func, Tiles) else 1, packed, func.out_features,
+            torch.empty(0, dtype=packed.dtype) if bias is None else bias)
+
+
 class Panels:
     """A weight [N, K] (bf16 or fp32) packed in 16-column panels for the compiled few-row GEMM
     (kernels/cpu_decode.cpp: pack_panels, gemm_panels); called as panels(x [M, K], bias): fp32 out
