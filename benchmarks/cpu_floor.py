@@ -26,6 +26,9 @@ Everything is measured here, in one process, as medians of --repeats:
               it, not counted: reading a copy bigger than the model is the engine's cost.
   step        the engine's decode step: B requests of --context-len random tokens decoding
               together (max_num_seqs=B, ignore_eos), the median of --repeats engine.step() calls.
+  bytes       the weights' bytes plus the K and V the step's attention reads (every layer, B x
+              --context-len tokens) over the read bandwidth: the floor of a step that reads
+              both from memory once; step / it is printed per batch.
   paired      the median over those steps of step / the GEMM floor's linears (its fastest path)
               run just before that step: the machine's speed drifts by up to 1.5x between
               minutes, and step/floor divides two medians taken minutes apart; a pair is not.
@@ -193,6 +196,13 @@ def model_weight_bytes(config, dtype: torch.dtype) -> int:
     return sum(k * n * count for _, k, n, count in linear_shapes(config)) * dtype.itemsize
 
 
+def kv_bytes(config, dtype: torch.dtype, batch: int, context_len: int) -> int:
+    """Bytes of K and V a decode step's attention reads: every layer's, of `batch` sequences of
+    `context_len` tokens (the GEMM floor leaves them out; at batch 16 and 256 tokens they are a
+    third of the default model's weights)."""
+    return batch * context_len * config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
 def engine_weight_bytes(model) -> int:
     """Bytes of weights a decode step reads, as the engine holds them (bf16, an fp32 copy, a packed
     copy): every module's parameters and buffers but the embedding (one row a token) and the RoPE
@@ -313,6 +323,9 @@ def run(args) -> dict:
         row["paired_step_over_gemm_floor"] = statistics.median(ratios)
         if stream_ratios:
             row["paired_step_over_stream"] = statistics.median(stream_ratios)
+        row["kv_bytes"] = kv_bytes(config, dtype, batch, args.context_len)
+        row["bytes_floor_ms"] = 1e3 * (weight_bytes + row["kv_bytes"]) / (bandwidth * 1e9)
+        row["step_over_bytes_floor"] = row["step_ms"] / row["bytes_floor_ms"]
         rows.append(row)
     prefill = None
     if args.prefill_tokens:
@@ -348,6 +361,9 @@ def report(result: dict) -> None:
         print(f"{r['batch']:>5} " + " ".join(f"{r['gemm_ms'][p]:>22.2f}" for p in paths)
               + f" {r['gemm_floor_path']:>22} {r['step_ms']:>8.2f} {r['step_over_gemm_floor']:>10.2f}"
               f" {r['paired_step_over_gemm_floor']:>7.2f}")
+    for r in result["rows"]:
+        print(f"batch {r['batch']}: KV read {r['kv_bytes'] / 2**20:.0f} MiB; weights + KV at the read bandwidth "
+              f"{r['bytes_floor_ms']:.1f} ms; step / that = {r['step_over_bytes_floor']:.2f}")
     if result["batch1_step_over_stream"] is not None:
         print(f"batch 1: step / weight streaming = {result['batch1_step_over_stream']:.2f} (medians); "
               f"paired {result['batch1_paired_step_over_stream']:.2f}")
