@@ -12,7 +12,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: a loose `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml pdserve/kernels/cpu_decode.cpp | $(PY)
+$(STAMP): pyproject.toml $(wildcard pdserve/kernels/*.cpp pdserve/kernels/*.h) | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0 triton==3.6.0
 	$(PIP) install -q -e '.[test]'
