@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(wildcard pdserve/kernels/*.cpp pdserve/kernels/*.h) |
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0 triton==3.6.0
 	$(PIP) install -q -e '.[test]'
-	@# The CPU decode kernel, built once here (~75 s) so that no engine waits for it; without a
+	@# The CPU decode kernel, built once here (~30-75 s) so that no engine waits for it; without a
 	@# C++ compiler the engine uses the torch path (kernels/cpu_native.py).
 	$(PY) -c "from pdserve.kernels import cpu_native; cpu_native.build()" || echo "CPU decode kernel not built: the torch path serves"
 	touch $(STAMP)

@@ -9,7 +9,7 @@ later processes only load it (~0.1 s).
 The build directory is named by the source's hash, torch's version and the compiler flags (with the
 instruction sets it is built for: AVX2 + FMA when this CPU has them, else portable code), under the Python environment's
 var/pdserve (pdserve's cache directory if that is read-only): a changed source, torch or CPU builds
-afresh, never loads a stale library. A first build takes ~75 s on 2 cores.
+afresh, never loads a stale library. A first build takes ~30-75 s on 2 cores.
 """
 
 from __future__ import annotations
