@@ -227,10 +227,16 @@ def test_docker_kill_of_a_decode_container_mid_stream(stack, reference):
 def test_restart_policy_brings_back_a_crashed_node(stack, reference):
     victim = stack.containers("decode")[0]
     restarts = int(stack.inspect(victim, "{{.RestartCount}}"))
+    before = {n["node_id"] for n in stack.nodes()}
     # The node process dies (kill -9 of every process but the container's init): a crash, which is
     # what the restart policy (`unless-stopped`) is for.
     docker("exec", victim, "sh", "-c", "kill -9 -1", check=False)
     stack.wait(lambda: int(stack.inspect(victim, "{{.RestartCount}}")) > restarts, 120, "the restart")
+    # The new process registers under a new node id, and the dead one stays listed (as it last
+    # reported) until its heartbeats time out: wait for both, not for two decode entries, which the
+    # dead one and the other replica already make.
+    stack.wait(lambda: len(ids := {n["node_id"] for n in stack.nodes()}) == 4 and len(ids - before) == 1
+               and all(n["ready"] for n in stack.nodes()), 600, "the crashed node back under a new id, its old one gone")
     stack.wait_pools(prefill=2, decode=2, timeout=600)
     assert_serves_exactly(stack, reference)
 
