@@ -353,6 +353,32 @@ inline void softmax_block(float* s, float* m, float* l, float* acc, int64_t nb, 
   }
 }
 
+#ifdef PDSERVE_AVX512
+// softmax_block for a block of at most 16 tokens: each head's scores are one vector (the max and
+// the sum one reduction each, no scalar loop over the tokens).
+inline void softmax_block16(float* s, float* m, float* l, float* acc, int64_t nb, int64_t H, int64_t D, int64_t BS) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1u);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t h = 0; h < H; ++h) {
+    float* sh = s + h * BS;
+    const __m512 x = _mm512_mask_loadu_ps(ninf, valid, sh);
+    const float top = std::max(m[h], _mm512_reduce_max_ps(x));
+    if (top > m[h]) {
+      const float alpha = std::exp(m[h] - top);  // 0 for the first block (m = -inf)
+      l[h] *= alpha;
+      float* a = acc + h * D;
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) _mm512_storeu_ps(a + d, _mm512_mul_ps(_mm512_loadu_ps(a + d), _mm512_set1_ps(alpha)));
+      for (; d < D; ++d) a[d] *= alpha;
+      m[h] = top;
+    }
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+    _mm512_mask_storeu_ps(sh, valid, e);
+    l[h] += _mm512_reduce_add_ps(e);
+  }
+}
+#endif
+
 // One work item: every head of one sequence over blocks [b, e) of the thread's list (n in all),
 // in one pass (flash attention's online softmax): per block the scores q.k in fp32, the softmax
 // state updated, the block's V rows weighed in. Leaves per query head the max m, the sum l of
@@ -381,7 +407,8 @@ void attend_item(const float* qf, const BlockRef<T>* blocks, int64_t b, int64_t 
         else group_scores16<1>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
       });
       pf.rest();
-      softmax_block(s, m, l, acc, nb, H, D, BS);
+      if (nb <= 16) softmax_block16(s, m, l, acc, nb, H, D, BS);
+      else softmax_block(s, m, l, acc, nb, H, D, BS);
       head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
         if (ng == 3) group_weigh16<3>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
         else if (ng == 2) group_weigh16<2>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
