@@ -200,6 +200,7 @@ class ModelRunner:
         if self.device.type == "cpu" and (self.dtype == torch.float32
                                           or (self.dtype == torch.bfloat16 and cpu_has_native_bf16())):
             pack_cpu_linears(model)  # oneDNN copies of fp32 weights, AMX tiles of bf16 ones (parallel/layers.py)
+            model.fuse_silu()  # with AMX tiles: each MLP's SiLU x up in its gate_up GEMM (models/llama.py)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             num = use_fp32_gemms_for_bf16(model)
             logger.info("no native bf16 on this CPU: %d bf16 linear layers run as fp32 GEMMs on bf16 values", num)

@@ -43,7 +43,11 @@ constexpr int64_t kDepth = 32;      // k of one tile (16 pairs of bf16)
 constexpr int64_t kTile = kDepth * kCols;  // bf16 per B tile (1 KiB)
 
 #ifdef PDSERVE_AMX
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+// AMX and AVX512 for what follows only (the rest of the library is built for the CPU's flags)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#include "cpu_simd16.h"
+#define AMX_TARGET
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -147,9 +151,30 @@ AMX_TARGET void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t co
   }
 }
 
-// Panels [p0, p1) of the output for every row: the work of one thread.
+// The gate_up projection's epilogue (pack_tiles of gate and up rows interleaved 16 by 16): the
+// staged sums of `pairs` panel pairs (gate, up) become silu(gate) * up, with the roundings the
+// unfused path makes: gate and up rounded to bf16 (the GEMM's output), then silu_mul's
+// (cpu_decode.cpp): silu rounded, the product rounded. The same bits as gemm_tiles + silu_mul.
+AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64_t pairs, uint16_t* y, int64_t ldy) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const auto bf16 = [](__m512 v) {  // the GEMM's own rounding (write_rows), back as floats
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  };
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512 g = bf16(_mm512_loadu_ps(c + r * ldc + 2 * j * kCols));
+      const __m512 u = bf16(_mm512_loadu_ps(c + r * ldc + (2 * j + 1) * kCols));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 out = rnd16_bf16(_mm512_mul_ps(rnd16_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e))), u));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + j * kCols),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(out), 16)));
+    }
+}
+
+// Panels [p0, p1) of the output for every row: the work of one thread. `silu`: the panels are
+// (gate, up) pairs and y is their silu(gate) * up (write_silu_rows), N / 2 wide.
 AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint16_t* w, int64_t KT, int64_t p0,
-                           int64_t p1, int64_t N, const float* bias, void* y, bool out_bf16) {
+                           int64_t p1, int64_t N, const float* bias, void* y, bool out_bf16, bool silu) {
   configure_tiles();
   const int64_t stride = KT * kTile;  // bf16 from one panel to the next
   const int64_t blocks = (M + kRows - 1) / kRows;
@@ -175,6 +200,10 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
         }
       }
       const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
+      if (silu) {
+        write_silu_rows(c, ldc, rows, np / 2, static_cast<uint16_t*>(y) + r0 * (N / 2) + col0 / 2, N / 2);
+        continue;
+      }
       const int64_t ldy = N;
       char* yb = static_cast<char*>(y) + (r0 * ldy + col0) * (out_bf16 ? 2 : 4);
       write_rows(c, ldc, rows, cols, bias == nullptr ? nullptr : bias + col0, yb, ldy, out_bf16);
@@ -192,6 +221,7 @@ bool request_amx() {
   constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // Linux: ask for the tile state
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
 }
+#pragma GCC pop_options
 #endif
 
 }  // namespace
@@ -215,8 +245,10 @@ torch::Tensor pack_tiles(torch::Tensor weight) {
   return padded.view({P, kCols, KT, kDepth / 2, 2}).permute({0, 2, 3, 1, 4}).contiguous().view({P, KT, kTile});
 }
 
-torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_features, c10::optional<torch::Tensor> bias,
-                         bool out_bf16) {
+namespace {
+// gemm_tiles, or with `silu` its gate_up form (gemm_tiles_silu)
+torch::Tensor run_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_features, c10::optional<torch::Tensor> bias,
+                        bool out_bf16, bool silu) {
   TORCH_CHECK(amx_available(), "gemm_tiles: this CPU (or its kernel) gives no AMX-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "gemm_tiles: x must be 2-D bfloat16");
   TORCH_CHECK(tiles.dim() == 3 && tiles.scalar_type() == at::kBFloat16 && tiles.is_contiguous() &&
@@ -231,7 +263,9 @@ torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featu
     bias32 = bias->to(at::kFloat).contiguous();
     b = bias32.data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
+  TORCH_CHECK(!silu || (out_bf16 && b == nullptr && N % (2 * kCols) == 0),
+              "gemm_tiles_silu: gate and up of a multiple of 16 columns each, interleaved, no bias");
+  auto y = torch::empty({M, silu ? N / 2 : N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return y;
 #ifdef PDSERVE_AMX
   // A tiles read whole tiles: x as it is when its rows are, else a copy padded with zeros
@@ -255,8 +289,18 @@ torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featu
   const int64_t blocks = Mp / kRows, group = blocks == 1 ? 4 : 2;
   const int64_t groups = (P + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    gemm_range(ap, Kp * 2, M, wp, KT, g0 * group, std::min(P, g1 * group), N, b, yp, out_bf16);
+    gemm_range(ap, Kp * 2, M, wp, KT, g0 * group, std::min(P, g1 * group), N, b, yp, out_bf16, silu);
   });
 #endif
   return y;
+}
+}  // namespace
+
+torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_features, c10::optional<torch::Tensor> bias,
+                         bool out_bf16) {
+  return run_tiles(x, tiles, out_features, bias, out_bf16, false);
+}
+
+torch::Tensor gemm_tiles_silu(torch::Tensor x, torch::Tensor tiles, int64_t out_features) {
+  return run_tiles(x, tiles, out_features, c10::nullopt, true, true);
 }

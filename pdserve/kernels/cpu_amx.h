@@ -10,3 +10,6 @@ torch::Tensor pack_tiles(torch::Tensor weight);
 // from the fp32 sums) or fp32.
 torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_features, c10::optional<torch::Tensor> bias,
                          bool out_bf16);
+// gemm_tiles of a gate_up weight whose gate and up rows are interleaved 16 by 16 (out_features =
+// 2 x I, I a multiple of 16): silu(gate) * up [M, I] bf16, the same bits as gemm_tiles then silu_mul.
+torch::Tensor gemm_tiles_silu(torch::Tensor x, torch::Tensor tiles, int64_t out_features);

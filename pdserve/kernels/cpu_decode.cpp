@@ -115,27 +115,7 @@ inline __m512 load16(const uint16_t* p) {
 }
 // 16 lanes folded to 8 (the two halves added)
 inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
-// exp8's polynomial on 16 lanes
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.0f);
-  const __mmask16 zero_mask = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  const __mmask16 inf_mask = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.0f), _CMP_GT_OQ);
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 finite = _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero_mask), y, _mm512_castsi512_ps(e));
-  return _mm512_mask_blend_ps(inf_mask, finite, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-}
+#include "cpu_simd16.h"  // exp16 and rnd16_bf16, shared with cpu_amx.cpp
 #endif
 
 // One block's K and V rows as a work item reads them (`rows` tokens).
@@ -573,15 +553,6 @@ inline void store8(uint16_t* p, __m256 x) {
 
 #ifdef PDSERVE_AVX512
 // rnd8 and store8 on 16 lanes: the same roundings (a prompt chunk's elementwise work is 16 lanes a step)
-inline __m512 rnd16_bf16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  const __m512i nan = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
-  const __mmask16 pick = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_castsi512_ps(
-      _mm512_and_si512(_mm512_mask_blend_epi32(pick, rounded, nan), _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
 inline __m512 rnd16(__m512 x, float*) { return x; }
 inline __m512 rnd16(__m512 x, uint16_t*) { return rnd16_bf16(x); }
 template <typename T>
@@ -1063,7 +1034,9 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
 // order, so the same bits, without ~40 us of Python a layer (a one-row step of the default model is
 // ~12 ms). Per layer: two norm weights (fp32 where the norm hands fp32 to a bf16 model's fp32 GEMMs,
 // else the residual's dtype), four GEMMs of kind 0 (AMX tiles: cpu_amx.cpp, bf16 out) or 1 (panels:
-// gemm_panels, fp32 out) with their packed weights, output widths and biases (an empty tensor: none),
+// gemm_panels, fp32 out), the third (gate_up) followed by silu_mul, or of kind 2 for it (gate_up on
+// tiles with SiLU x up fused: gemm_tiles_silu), with their packed weights, output widths and biases
+// (an empty tensor: none),
 // and the layer's K/V caches. The decode attention's arguments are the step's (cpu_attention:
 // _DirectDecode). Returns (the last layer's MLP output, the residual stream before it).
 namespace {
@@ -1072,6 +1045,7 @@ torch::Tensor layer_gemm(const torch::Tensor& x, int64_t kind, const torch::Tens
   c10::optional<torch::Tensor> b;
   if (bias.numel() > 0) b = bias;
   if (kind == 0) return gemm_tiles(x, w, n, b, true);
+  if (kind == 2) return gemm_tiles_silu(x, w, n);
   return gemm_panels(x, w, n, b);
 }
 }  // namespace
@@ -1088,7 +1062,9 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::T
   TORCH_CHECK(v_caches.size() == L && norm_weights.size() == 2 * L && kinds.size() == 4 * L &&
                   gemm_weights.size() == 4 * L && widths.size() == 4 * L && biases.size() == 4 * L,
               "decode_layers: per layer 2 norm weights, 4 GEMMs (kind, weight, width, bias) and 2 caches");
-  for (const int64_t k : kinds) TORCH_CHECK(k == 0 || k == 1, "decode_layers: GEMM kind 0 (tiles) or 1 (panels)");
+  for (size_t j = 0; j < kinds.size(); ++j)
+    TORCH_CHECK(kinds[j] == 0 || kinds[j] == 1 || (kinds[j] == 2 && j % 4 == 2),
+                "decode_layers: GEMM kind 0 (tiles) or 1 (panels); 2 (tiles, SiLU x up fused) for gate_up");
   torch::Tensor residual;
   bool has_residual = residual_in.has_value();
   if (has_residual) residual = *residual_in;
@@ -1109,7 +1085,8 @@ std::vector<torch::Tensor> decode_layers(torch::Tensor x, c10::optional<torch::T
     torch::Tensor out = torch::empty_like(q);
     decode_attention(q, k_caches[i], v_caches[i], tables, seq_lens, seqs, rows, out, scale);
     h = norm(gemm(out.view({out.size(0), -1}), 1), norm_weights[2 * i + 1]);
-    x = gemm(silu_mul(gemm(h, 2)), 3);
+    const torch::Tensor up = gemm(h, 2);
+    x = gemm(kinds[4 * i + 2] == 2 ? up : silu_mul(up), 3);
   }
   return {x, residual};
 }
@@ -1122,6 +1099,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a bf16 or fp32 weight packed for gemm_panels (CPU)");
   m.def("gemm_panels", &gemm_panels, "x W^T + b on a packed bf16 or fp32 weight, a few rows (CPU)");
   m.def("decode_layers", &decode_layers, "a step of decodes through decoder layers, in one call (CPU)");
+  m.def("gemm_tiles_silu", &gemm_tiles_silu, "silu(gate) * up of a gate_up GEMM on AMX tiles (CPU)");
   m.def("amx_available", &amx_available, "whether this CPU and OS run the AMX-BF16 GEMM");
   m.def("pack_tiles", &pack_tiles, "a bf16 weight packed as AMX B tiles for gemm_tiles (CPU)");
   m.def("gemm_tiles", &gemm_tiles, "x W^T + b on AMX tiles, bf16 in, bf16 or fp32 out (CPU)");

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the torch path)
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module; it registers the AMX GEMM's functions too
-_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"))
+_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"), _SOURCE.with_name("cpu_simd16.h"))
 _NAME = "pdserve_cpu_decode"
 _LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
 DTYPES = (torch.float32, torch.bfloat16)  # what the compiled ops take

@@ -122,3 +122,22 @@ def test_no_tiles_for_fp32_or_without_amx(ops, monkeypatch):
     monkeypatch.setattr(cpu_native, "load", lambda: None)  # no compiled ops
     model.bfloat16()
     assert layers.pack_cpu_linears(model) == 0 and model[0].tiles is None
+
+
+@pytest.mark.parametrize(("rows", "inter", "depth"), [(1, 16, 32), (3, 48, 40), (16, 64, 64), (17, 32, 100),
+                                                     (40, 1536, 576), (130, 80, 96)])
+def test_the_fused_gate_up_gives_the_gemm_then_silu_mul(ops, rows, inter, depth):
+    g = torch.Generator().manual_seed(rows + inter)
+    w = (torch.randn(2 * inter, depth, generator=g) * 0.3).bfloat16()  # gate rows, then up rows
+    x = torch.randn(rows, depth, generator=g).bfloat16()
+    fused = layers.Tiles(ops, w, silu=True)
+    assert fused(x).shape == (rows, inter)
+    assert torch.equal(fused(x), ops.silu_mul(layers.Tiles(ops, w)(x)))
+
+
+def test_the_fused_gate_up_refuses_what_it_cannot_pair(ops):
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        layers.Tiles(ops, torch.randn(2 * 24, 32).bfloat16(), silu=True)
+    tiles = ops.pack_tiles(torch.randn(48, 32).bfloat16())  # 3 panels: no (gate, up) pairs
+    with pytest.raises(RuntimeError, match="interleaved"):
+        ops.gemm_tiles_silu(torch.randn(2, 32).bfloat16(), tiles, 48)

@@ -207,7 +207,8 @@ def _model(form: str) -> tuple[LlamaForCausalLM, torch.dtype]:
     """The test model with random weights: float32, bf16 (native bf16 GEMMs: torch's, or the AMX
     tiles' where the CPU has AMX), or bf16 with fp32 GEMMs on its values (models/cpu_bf16.py)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config(qkv_bias=True), 64)
+    # the AMX forms' MLP in whole 16-row panels, so that gate_up can fuse SiLU x up (Tiles(silu=True))
+    model = LlamaForCausalLM(config(qkv_bias=True, **({"intermediate_size": 144} if "amx" in form else {})), 64)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -216,11 +217,13 @@ def _model(form: str) -> tuple[LlamaForCausalLM, torch.dtype]:
     model.rotary.float()
     if form == "bf16-via-fp32":
         use_fp32_gemms_for_bf16(model)
-    if form == "bf16-amx":
+    if form in ("bf16-amx", "bf16-amx-silu"):
         native = cpu_native.load()
         if native is None or not native.amx_available():
             pytest.skip("no AMX-BF16 on this CPU: bf16 layers keep F.linear")
         assert layers.pack_cpu_linears(model) > 0 and model.layers[0].mlp.down_proj.tiles is not None
+        if form == "bf16-amx-silu":
+            assert model.fuse_silu() == model.config.num_layers
     return model, dtype
 
 
@@ -252,7 +255,7 @@ def _packed_model(form: str, monkeypatch) -> tuple[LlamaForCausalLM, torch.dtype
     return model, dtype
 
 
-@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx"])
+@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx", "bf16-amx-silu"])
 def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch):
     model, dtype = _packed_model(form, monkeypatch)
     direct_calls = []
@@ -271,7 +274,7 @@ def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch)
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx"])
+@pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx", "bf16-amx-silu"])
 def test_the_compiled_layer_loop_gives_the_python_layers_bits(ops, form, monkeypatch):
     # a step of decodes only: layers 1.. in one call (kernels/cpu_decode.cpp: decode_layers)
     model, dtype = _packed_model(form, monkeypatch)
@@ -290,6 +293,24 @@ def test_the_compiled_layer_loop_gives_the_python_layers_bits(ops, form, monkeyp
     assert torch.equal(compiled, plain)
     for (ka, va), (kb, vb) in zip(caches_a, caches_b):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_fused_gate_up_gives_the_unfused_bits(ops, monkeypatch):
+    # SiLU x up in the gate_up GEMM's epilogue: the same roundings as the GEMM then silu_mul
+    fused, dtype = _packed_model("bf16-amx-silu", monkeypatch)
+    plain, _ = _packed_model("bf16-amx", monkeypatch)
+    assert fused.layers[0].mlp.gate_up_proj.tiles is None and plain.layers[0].mlp.gate_up_silu is None
+    with mock.patch.dict(cpu_native._state, {"module": ops}):
+        got, caches_a = _forward(fused, dtype, native=True)
+        want, caches_b = _forward(plain, dtype, native=True)
+    assert torch.equal(got, want)
+    for (ka, va), (kb, vb) in zip(caches_a, caches_b):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    h = torch.randn(layers.TILE_MAX_ROWS + 1, fused.config.hidden_size).bfloat16()
+    mlp_f, mlp_p = fused.layers[0].mlp, plain.layers[0].mlp
+    with mock.patch.dict(cpu_native._state, {"module": ops}):  # beyond the tiles' rows: F.linear, then silu_mul
+        torch.testing.assert_close(mlp_f(h, ops), mlp_p(h, ops), atol=5e-2, rtol=2e-2)
+    assert mlp_f.activation(layers.TILE_MAX_ROWS + 1) is None
 
 
 def test_no_compiled_layer_loop_where_a_gemm_is_onednns(ops, monkeypatch):

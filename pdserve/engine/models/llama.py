@@ -30,9 +30,12 @@ from torch import nn
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.layers import (
+    TILE_MAX_ROWS,
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
+    SiluAfter,
+    Tiles,
     VocabParallelEmbedding,
     compiled_gemm,
 )
@@ -192,8 +195,30 @@ class MLP(nn.Module):
         part = (start, end, config.intermediate_size)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
         self.down_proj = RowParallelLinear(part, config.hidden_size, size)
+        self.gate_up_silu: Tiles | None = None  # the gate_up GEMM with SiLU x up fused (fuse_silu)
+
+    def fuse_silu(self) -> bool:
+        """Where the gate_up projection has AMX tiles (parallel/layers.py: pack_cpu_linears), pack it
+        again with SiLU x up fused into the GEMM (Tiles(silu=True): the same bits, no [T, 2I]
+        output) and drop the unfused tiles; True if done."""
+        proj = self.gate_up_proj
+        if proj.tiles is None or (proj.out_features // 2) % 16:
+            return False
+        self.gate_up_silu = Tiles(cpu_native.load(), proj.weight, silu=True)
+        proj.tiles = None
+        return True
+
+    def activation(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """h -> the down projection's input at `rows` rows as one call: the fused tiles, or the
+        gate_up GEMM's direct call then silu_mul (SiluAfter); None where neither is a direct call."""
+        if self.gate_up_silu is not None and rows <= TILE_MAX_ROWS:
+            return self.gate_up_silu
+        gemm = self.gate_up_proj.direct_gemm(rows)
+        return None if gemm is None else SiluAfter(gemm, cpu_native.load())
 
     def forward(self, x: torch.Tensor, native=None) -> torch.Tensor:
+        if self.gate_up_silu is not None and x.dim() == 2 and 0 < x.shape[0] <= TILE_MAX_ROWS:
+            return self.down_proj(self.gate_up_silu(x))
         gate_up = self.gate_up_proj(x)
         if native is not None:
             return self.down_proj(native.silu_mul(gate_up))
@@ -222,8 +247,8 @@ class DecoderLayer(nn.Module):
         at `rows` rows, is exactly one GEMM with its output handed on as it is (parallel/layers.py:
         direct_gemm; models/cpu_bf16.py); else None."""
         gemms = []
-        for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
-            direct = getattr(proj, "direct_gemm", None)
+        for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp, self.mlp.down_proj):
+            direct = getattr(proj, "activation" if proj is self.mlp else "direct_gemm", None)
             gemm = None if direct is None else direct(rows)
             if gemm is None:
                 return None
@@ -235,11 +260,11 @@ class DecoderLayer(nn.Module):
         ops in the same order, so the same bits, without the Python of the module calls around
         them (~7 a layer; on a 2-core CPU about 3-6 ms of a 120-ms batch-16 step of the default
         model)."""
-        qkv, o, gate_up, down = gemms
+        qkv, o, activation, down = gemms
         h, residual = self.input_layernorm.add_norm(x, residual, native)
         out = self.self_attn.attend(positions, qkv(h), meta, kv_cache, rotary, native)
         h, residual = self.post_attention_layernorm.add_norm(o(out), residual, native)
-        return down(native.silu_mul(gate_up(h))), residual
+        return down(activation(h)), residual
 
     def hand_fp32_to_gemms(self) -> None:
         """For a bf16 model whose GEMMs run in fp32 on bf16 values (models/cpu_bf16.py): the two
@@ -343,6 +368,11 @@ class LlamaForCausalLM(nn.Module):
             if rows <= DIRECT_GEMMS_KEPT_ROWS:
                 self._direct_gemms[rows] = plans
         return plans
+
+    def fuse_silu(self) -> int:
+        """Each MLP's gate_up GEMM with SiLU x up fused where it has AMX tiles (MLP.fuse_silu); how many."""
+        self.forget_direct_gemms()
+        return sum(layer.mlp.fuse_silu() for layer in self.layers)
 
     def forget_direct_gemms(self) -> None:
         self._direct_gemms.clear()

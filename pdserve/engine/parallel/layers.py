@@ -183,10 +183,28 @@ def direct_gemm(packed: torch.Tensor | None, bias: torch.Tensor | None, rows: in
     return functools.partial(onednn_gemm, packed=packed, bias=bias)
 
 
+class SiluAfter:
+    """A gate_up GEMM followed by the compiled SiLU x up (kernels/cpu_decode.cpp: silu_mul): h ->
+    the down projection's input, where the GEMM cannot fuse it (models/llama.py: MLP)."""
+
+    __slots__ = ("gemm", "silu_mul")
+
+    def __init__(self, gemm: Callable[[torch.Tensor], torch.Tensor], native) -> None:
+        self.gemm, self.silu_mul = gemm, native.silu_mul
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.silu_mul(self.gemm(h))
+
+
 def compiled_gemm(gemm: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, torch.Tensor, int, torch.Tensor] | None:
     """A direct GEMM (`direct_gemm`) as the compiled layer loop takes it (kernels/cpu_decode.cpp:
-    decode_layers): (kind: 0 tiles, 1 panels; the packed weight; the output width; the bias, empty
-    for none), or None for oneDNN's, which only Python calls."""
+    decode_layers): (kind: 0 tiles, 1 panels, 2 tiles with SiLU x up fused (Tiles(silu=True)); the
+    packed weight; the output width; the bias, empty for none), or None for oneDNN's, which only
+    Python calls. A SiluAfter is its GEMM's (the loop runs silu_mul after kinds 0 and 1)."""
+    if isinstance(gemm, SiluAfter):
+        gemm = gemm.gemm
+    if isinstance(gemm, Tiles) and gemm.silu:
+        return 2, gemm.tiles, gemm.out_features, torch.empty(0, dtype=gemm.tiles.dtype)
     func = getattr(gemm, "func", None)
     if not isinstance(func, (Tiles, Panels)):
         return None
@@ -214,16 +232,28 @@ class Panels:
 
 class Tiles:
     """A bf16 weight [N, K] packed as AMX tiles (kernels/cpu_amx.cpp: pack_tiles, gemm_tiles); called
-    as tiles(x bf16 [M, K], bias): bf16 [M, N], the fp32 sums rounded once."""
+    as tiles(x bf16 [M, K], bias): bf16 [M, N], the fp32 sums rounded once. With `silu`, W is a
+    gate_up projection [2I, K] (gate rows, then up rows; I a multiple of 16, no bias), packed with
+    gate and up interleaved 16 rows by 16, and a call gives silu(gate) * up [M, I] (gemm_tiles_silu:
+    the same bits as the GEMM then silu_mul, without the [M, 2I] output between them)."""
 
-    __slots__ = ("gemm", "tiles", "out_features")
+    __slots__ = ("gemm", "tiles", "out_features", "silu")
 
-    def __init__(self, native, weight: torch.Tensor) -> None:
-        self.gemm = native.gemm_tiles
-        self.tiles = native.pack_tiles(weight.detach())
+    def __init__(self, native, weight: torch.Tensor, silu: bool = False) -> None:
+        weight = weight.detach()
+        if silu:
+            rows, depth = weight.shape
+            if rows % 32:
+                raise ValueError(f"a fused gate_up needs gate and up of a multiple of 16 rows, got {rows} in all")
+            weight = weight.view(2, rows // 32, 16, depth).transpose(0, 1).reshape(rows, depth)
+        self.gemm = native.gemm_tiles_silu if silu else native.gemm_tiles
+        self.tiles = native.pack_tiles(weight)
         self.out_features = weight.shape[0]
+        self.silu = silu
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.silu:
+            return self.gemm(x, self.tiles, self.out_features)
         return self.gemm(x, self.tiles, self.out_features, bias, True)
 
 
