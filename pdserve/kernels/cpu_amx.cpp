@@ -23,8 +23,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
@@ -46,7 +49,9 @@ constexpr int64_t kTile = kDepth * kCols;  // bf16 per B tile (1 KiB)
 // AMX and AVX512 for what follows only (the rest of the library is built for the CPU's flags)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-#include "cpu_simd16.h"
+#define PDSERVE_AVX2 1  // both lane widths' operations (cpu_lanes.h): the AMX CPUs have them
+#define PDSERVE_AVX512 1
+#include "cpu_lanes.h"
 #define AMX_TARGET
 
 struct alignas(64) TileConfig {
@@ -153,10 +158,9 @@ AMX_TARGET void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t co
 
 // The gate_up projection's epilogue (pack_tiles of gate and up rows interleaved 16 by 16): the
 // staged sums of `pairs` panel pairs (gate, up) become silu(gate) * up, with the roundings the
-// unfused path makes: gate and up rounded to bf16 (the GEMM's output), then silu_mul's
-// (cpu_decode.cpp): silu rounded, the product rounded. The same bits as gemm_tiles + silu_mul.
+// unfused path makes: gate and up rounded to bf16 (the GEMM's output), then silu_mul's arithmetic
+// (cpu_lanes.h: silu_times). The same bits as gemm_tiles + silu_mul.
 AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64_t pairs, uint16_t* y, int64_t ldy) {
-  const __m512 one = _mm512_set1_ps(1.f);
   const auto bf16 = [](__m512 v) {  // the GEMM's own rounding (write_rows), back as floats
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
   };
@@ -164,10 +168,7 @@ AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64
     for (int64_t j = 0; j < pairs; ++j) {
       const __m512 g = bf16(_mm512_loadu_ps(c + r * ldc + 2 * j * kCols));
       const __m512 u = bf16(_mm512_loadu_ps(c + r * ldc + (2 * j + 1) * kCols));
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 out = rnd16_bf16(_mm512_mul_ps(rnd16_bf16(_mm512_div_ps(g, _mm512_add_ps(one, e))), u));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + j * kCols),
-                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(out), 16)));
+      Lanes16::store(y + r * ldy + j * kCols, silu_times<Lanes16, uint16_t>(g, u));
     }
 }
 

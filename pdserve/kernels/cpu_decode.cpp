@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -31,7 +32,7 @@
 #define PDSERVE_AVX2 1
 #endif
 #if defined(PDSERVE_AVX2) && defined(__AVX512F__) && defined(__AVX512DQ__)
-#define PDSERVE_AVX512 1  // the attention's inner loops 16 lanes wide (built with -mavx512f -mavx512dq)
+#define PDSERVE_AVX512 1  // the loops 16 lanes wide (built with -mavx512f -mavx512dq)
 #endif
 
 namespace {
@@ -56,67 +57,11 @@ inline float load(const uint16_t* p) { return bf16_to_f32(*p); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = f32_to_bf16(v); }
 
-#ifdef PDSERVE_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+#include "cpu_lanes.h"  // Lanes8, Lanes16: the vector operations each loop below is written with
 
 struct Geometry {
   int64_t heads, kv_heads, head_dim, block_size, max_blocks, token_stride, block_stride;
 };
-
-#ifdef PDSERVE_AVX2
-// exp of 8 floats (Cephes' expf polynomial, ~1 ulp; exp(x) = 0 below -87, so no denormal reaches
-// the sums, and +inf above 88): the softmax's exps would otherwise cost more than its dot products.
-inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  const __m256 inf_mask = _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 finite = _mm256_andnot_ps(zero_mask, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-  return _mm256_blendv_ps(finite, _mm256_set1_ps(std::numeric_limits<float>::infinity()), inf_mask);
-}
-#endif
-
-#ifdef PDSERVE_AVX2
-// Four 8-lane sums reduced to their four totals.
-inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // per 128-bit half
-  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-#endif
-
-#ifdef PDSERVE_AVX512
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-// 16 lanes folded to 8 (the two halves added)
-inline __m256 fold(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
-#include "cpu_simd16.h"  // exp16 and rnd16_bf16, shared with cpu_amx.cpp
-#endif
 
 // One block's K and V rows as a work item reads them (`rows` tokens).
 template <typename T>
@@ -161,132 +106,88 @@ struct Prefetcher {
 
 #ifdef PDSERVE_AVX2
 // The NG (<= 3) query heads of one KV head at once, so each K or V vector is loaded (and widened
-// from bf16) once for all of them; q, s and acc point at the group's first head.
+// from bf16) once for all of them; q, s and acc point at the group's first head. L is the lane
+// width (cpu_lanes.h): head_dim a multiple of it.
 //
 // s[g * BS + t] = q_g . k_t for the block's nb tokens (k_t at k + t * TS): 4 tokens x NG heads of
 // sums in registers (12 at most), one prefetch step every 4 tokens.
-template <int NG, typename T>
+template <int NG, typename L, typename T>
 inline void group_scores(const T* k, const float* q, float* s, int64_t nb, int64_t D, int64_t TS, int64_t BS,
                          Prefetcher& pf) {
+  using V = typename L::V;
   int64_t t = 0;
   for (; t + 4 <= nb; t += 4) {
-    __m256 a[NG][4];
+    V a[NG][4];
     for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = load8(k + (t + j) * TS + d);
+      for (int j = 0; j < 4; ++j) a[g][j] = L::zero();
+    for (int64_t d = 0; d < D; d += L::W) {
+      V kv[4];
+      for (int j = 0; j < 4; ++j) kv[j] = L::load(k + (t + j) * TS + d);
       for (int g = 0; g < NG; ++g) {
-        const __m256 qv = _mm256_loadu_ps(q + g * D + d);
-        for (int j = 0; j < 4; ++j) a[g][j] = _mm256_fmadd_ps(qv, kv[j], a[g][j]);
+        const V qv = L::load(q + g * D + d);
+        for (int j = 0; j < 4; ++j) a[g][j] = L::fma(qv, kv[j], a[g][j]);
       }
     }
-    for (int g = 0; g < NG; ++g) _mm_storeu_ps(s + g * BS + t, hsum4(a[g][0], a[g][1], a[g][2], a[g][3]));
+    for (int g = 0; g < NG; ++g) _mm_storeu_ps(s + g * BS + t, L::sum4(a[g][0], a[g][1], a[g][2], a[g][3]));
     pf.step();
   }
   for (; t < nb; ++t) {
-    __m256 a[NG];
-    for (int g = 0; g < NG; ++g) a[g] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 kv = load8(k + t * TS + d);
-      for (int g = 0; g < NG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), kv, a[g]);
+    V a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = L::zero();
+    for (int64_t d = 0; d < D; d += L::W) {
+      const V kv = L::load(k + t * TS + d);
+      for (int g = 0; g < NG; ++g) a[g] = L::fma(L::load(q + g * D + d), kv, a[g]);
     }
-    for (int g = 0; g < NG; ++g) s[g * BS + t] = hsum(a[g]);
+    for (int g = 0; g < NG; ++g) s[g * BS + t] = L::sum(a[g]);
   }
 }
 
-// acc_g += sum over the block's tokens of p[g * BS + t] v_t: C vectors (8 C columns) x NG heads of
-// sums in registers over the tokens; C = 4 while 32 columns are left, then 1.
-template <int NG, int C, typename T>
+// acc_g += sum over the block's tokens of p[g * BS + t] v_t: C vectors (C x W columns) x NG heads of
+// sums in registers over the tokens; C = 4 while 4 vectors of columns are left, then 1.
+template <int NG, int C, typename L, typename T>
 inline void group_weigh_cols(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS, int64_t BS,
                              int64_t d) {
-  __m256 a[NG][C];
+  using V = typename L::V;
+  V a[NG][C];
   for (int g = 0; g < NG; ++g)
-    for (int j = 0; j < C; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d + 8 * j);
+    for (int j = 0; j < C; ++j) a[g][j] = L::load(acc + g * D + d + L::W * j);
   for (int64_t t = 0; t < nb; ++t) {
-    __m256 vv[C];
-    for (int j = 0; j < C; ++j) vv[j] = load8(v + t * TS + d + 8 * j);
+    V vv[C];
+    for (int j = 0; j < C; ++j) vv[j] = L::load(v + t * TS + d + L::W * j);
     for (int g = 0; g < NG; ++g) {
-      const __m256 w = _mm256_broadcast_ss(p + g * BS + t);
-      for (int j = 0; j < C; ++j) a[g][j] = _mm256_fmadd_ps(w, vv[j], a[g][j]);
+      const V w = L::set(p[g * BS + t]);
+      for (int j = 0; j < C; ++j) a[g][j] = L::fma(w, vv[j], a[g][j]);
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int j = 0; j < C; ++j) _mm256_storeu_ps(acc + g * D + d + 8 * j, a[g][j]);
+    for (int j = 0; j < C; ++j) L::store(acc + g * D + d + L::W * j, a[g][j]);
 }
 
-template <int NG, typename T>
+template <int NG, typename L, typename T>
 inline void group_weigh(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS, int64_t BS) {
   int64_t d = 0;
-  for (; d + 32 <= D; d += 32) group_weigh_cols<NG, 4>(v, p, acc, nb, D, TS, BS, d);
-  for (; d < D; d += 8) group_weigh_cols<NG, 1>(v, p, acc, nb, D, TS, BS, d);
+  for (; d + 4 * L::W <= D; d += 4 * L::W) group_weigh_cols<NG, 4, L>(v, p, acc, nb, D, TS, BS, d);
+  for (; d < D; d += L::W) group_weigh_cols<NG, 1, L>(v, p, acc, nb, D, TS, BS, d);
 }
-
-#ifdef PDSERVE_AVX512
-// group_scores and group_weigh 16 lanes wide (head_dim a multiple of 16): the same loops, each
-// dot product summed over other lanes (results differ from the 8-lane loops in the last bits).
-template <int NG, typename T>
-inline void group_scores16(const T* k, const float* q, float* s, int64_t nb, int64_t D, int64_t TS, int64_t BS,
-                           Prefetcher& pf) {
-  int64_t t = 0;
-  for (; t + 4 <= nb; t += 4) {
-    __m512 a[NG][4];
-    for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = load16(k + (t + j) * TS + d);
-      for (int g = 0; g < NG; ++g) {
-        const __m512 qv = _mm512_loadu_ps(q + g * D + d);
-        for (int j = 0; j < 4; ++j) a[g][j] = _mm512_fmadd_ps(qv, kv[j], a[g][j]);
-      }
-    }
-    for (int g = 0; g < NG; ++g)
-      _mm_storeu_ps(s + g * BS + t, hsum4(fold(a[g][0]), fold(a[g][1]), fold(a[g][2]), fold(a[g][3])));
-    pf.step();
-  }
-  for (; t < nb; ++t) {
-    __m512 a[NG];
-    for (int g = 0; g < NG; ++g) a[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 kv = load16(k + t * TS + d);
-      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), kv, a[g]);
-    }
-    for (int g = 0; g < NG; ++g) s[g * BS + t] = hsum(fold(a[g]));
-  }
-}
-
-template <int NG, int C, typename T>
-inline void group_weigh_cols16(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS,
-                               int64_t BS, int64_t d) {
-  __m512 a[NG][C];
-  for (int g = 0; g < NG; ++g)
-    for (int j = 0; j < C; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d + 16 * j);
-  for (int64_t t = 0; t < nb; ++t) {
-    __m512 vv[C];
-    for (int j = 0; j < C; ++j) vv[j] = load16(v + t * TS + d + 16 * j);
-    for (int g = 0; g < NG; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * BS + t]);
-      for (int j = 0; j < C; ++j) a[g][j] = _mm512_fmadd_ps(w, vv[j], a[g][j]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int j = 0; j < C; ++j) _mm512_storeu_ps(acc + g * D + d + 16 * j, a[g][j]);
-}
-
-template <int NG, typename T>
-inline void group_weigh16(const T* v, const float* p, float* acc, int64_t nb, int64_t D, int64_t TS, int64_t BS) {
-  int64_t d = 0;
-  for (; d + 64 <= D; d += 64) group_weigh_cols16<NG, 4>(v, p, acc, nb, D, TS, BS, d);
-  for (; d < D; d += 16) group_weigh_cols16<NG, 1>(v, p, acc, nb, D, TS, BS, d);
-}
-#endif
 
 // f(c, h0, NG) for every KV head c and its query heads h0.., in groups of up to 3 (NG).
 template <typename F>
 inline void head_groups(int64_t kv_heads, int64_t G, F f) {
   for (int64_t c = 0; c < kv_heads; ++c)
     for (int64_t g0 = 0; g0 < G; g0 += 3) f(c, c * G + g0, std::min<int64_t>(3, G - g0));
+}
+
+// sh[t] = exp(sh[t] - top) for t from `t` on, W at a time; returns their sum, leaves t at the rest
+template <typename L>
+inline float exp_run(float* sh, int64_t& t, int64_t nb, float top) {
+  const typename L::V mv = L::set(top);
+  typename L::V sum = L::zero();
+  for (; t + L::W <= nb; t += L::W) {
+    const typename L::V e = exp_lanes<L>(L::sub(L::load(sh + t), mv));
+    L::store(sh + t, e);
+    sum = L::add(sum, e);
+  }
+  return L::sum(sum);
 }
 #endif
 
@@ -306,24 +207,10 @@ inline void softmax_block(float* s, float* m, float* l, float* acc, int64_t nb, 
     float sum = 0.f;
     int64_t t = 0;
 #ifdef PDSERVE_AVX512
-    const __m512 mv16 = _mm512_set1_ps(top);
-    __m512 sv16 = _mm512_setzero_ps();
-    for (; t + 16 <= nb; t += 16) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + t), mv16));
-      _mm512_storeu_ps(sh + t, e);
-      sv16 = _mm512_add_ps(sv16, e);
-    }
-    sum = hsum(fold(sv16));
+    sum += exp_run<Lanes16>(sh, t, nb, top);
 #endif
 #ifdef PDSERVE_AVX2
-    const __m256 mv = _mm256_set1_ps(top);
-    __m256 sv = _mm256_setzero_ps();
-    for (; t + 8 <= nb; t += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + t), mv));
-      _mm256_storeu_ps(sh + t, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    sum += hsum(sv);
+    sum += exp_run<Lanes8>(sh, t, nb, top);
 #endif
     for (; t < nb; ++t) {
       sh[t] = std::exp(sh[t] - top);
@@ -333,10 +220,16 @@ inline void softmax_block(float* s, float* m, float* l, float* acc, int64_t nb, 
   }
 }
 
+#ifdef PDSERVE_AVX2
+// softmax_block for a block of at most 16 tokens on 16 lanes: each head's scores are one vector
+// (the max and the sum one reduction each, no scalar loop over the tokens); false where it does
+// not apply (8 lanes, a longer block) and softmax_block serves.
+inline bool softmax_short(Lanes8, float*, float*, float*, float*, int64_t, int64_t, int64_t, int64_t) { return false; }
+#endif
 #ifdef PDSERVE_AVX512
-// softmax_block for a block of at most 16 tokens: each head's scores are one vector (the max and
-// the sum one reduction each, no scalar loop over the tokens).
-inline void softmax_block16(float* s, float* m, float* l, float* acc, int64_t nb, int64_t H, int64_t D, int64_t BS) {
+inline bool softmax_short(Lanes16, float* s, float* m, float* l, float* acc, int64_t nb, int64_t H, int64_t D,
+                          int64_t BS) {
+  if (nb > 16) return false;
   const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1u);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < H; ++h) {
@@ -352,10 +245,32 @@ inline void softmax_block16(float* s, float* m, float* l, float* acc, int64_t nb
       for (; d < D; ++d) a[d] *= alpha;
       m[h] = top;
     }
-    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp_lanes<Lanes16>(_mm512_sub_ps(x, _mm512_set1_ps(top))));
     _mm512_mask_storeu_ps(sh, valid, e);
     l[h] += _mm512_reduce_add_ps(e);
   }
+  return true;
+}
+#endif
+
+#ifdef PDSERVE_AVX2
+// One block of a work item on L lanes: every head group's scores, the softmax state, the V rows.
+template <typename L, typename T>
+inline void attend_block(const T* kb, const T* vb, const float* qf, float* s, float* m, float* l, float* acc,
+                         int64_t nb, const Geometry& g, Prefetcher& pf) {
+  const int64_t H = g.heads, G = g.heads / g.kv_heads, D = g.head_dim, BS = g.block_size, TS = g.token_stride;
+  head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
+    if (ng == 3) group_scores<3, L>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+    else if (ng == 2) group_scores<2, L>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+    else group_scores<1, L>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
+  });
+  pf.rest();
+  if (!softmax_short(L{}, s, m, l, acc, nb, H, D, BS)) softmax_block(s, m, l, acc, nb, H, D, BS);
+  head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
+    if (ng == 3) group_weigh<3, L>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+    else if (ng == 2) group_weigh<2, L>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+    else group_weigh<1, L>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
+  });
 }
 #endif
 
@@ -381,36 +296,13 @@ void attend_item(const float* qf, const BlockRef<T>* blocks, int64_t b, int64_t 
     pf.start(j + kAhead < n ? blocks + j + kAhead : nullptr, TS, g.kv_heads * ((G + 2) / 3) * std::max<int64_t>(1, BS / 4));
 #ifdef PDSERVE_AVX512
     if (D % 16 == 0) {
-      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
-        if (ng == 3) group_scores16<3>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
-        else if (ng == 2) group_scores16<2>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
-        else group_scores16<1>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
-      });
-      pf.rest();
-      if (nb <= 16) softmax_block16(s, m, l, acc, nb, H, D, BS);
-      else softmax_block(s, m, l, acc, nb, H, D, BS);
-      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
-        if (ng == 3) group_weigh16<3>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
-        else if (ng == 2) group_weigh16<2>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
-        else group_weigh16<1>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
-      });
+      attend_block<Lanes16>(kb, vb, qf, s, m, l, acc, nb, g, pf);
       continue;
     }
 #endif
 #ifdef PDSERVE_AVX2
     if (D % 8 == 0) {
-      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
-        if (ng == 3) group_scores<3>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
-        else if (ng == 2) group_scores<2>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
-        else group_scores<1>(kb + c * D, qf + h0 * D, s + h0 * BS, nb, D, TS, BS, pf);
-      });
-      pf.rest();
-      softmax_block(s, m, l, acc, nb, H, D, BS);
-      head_groups(g.kv_heads, G, [&](int64_t c, int64_t h0, int64_t ng) {
-        if (ng == 3) group_weigh<3>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
-        else if (ng == 2) group_weigh<2>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
-        else group_weigh<1>(vb + c * D, s + h0 * BS, acc + h0 * D, nb, D, TS, BS);
-      });
+      attend_block<Lanes8>(kb, vb, qf, s, m, l, acc, nb, g, pf);
       continue;
     }
 #endif
@@ -527,41 +419,70 @@ inline float round_as(float x, uint16_t*) { return bf16_to_f32(f32_to_bf16(x)); 
 template <typename T>
 inline float rnd(float x) { return round_as(x, static_cast<T*>(nullptr)); }
 
-#ifdef PDSERVE_AVX2
-// 8 floats rounded to bf16 (nearest even, NaN kept quiet, as f32_to_bf16), still as floats
-inline __m256 rnd8_bf16(__m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
-  const __m256i nan = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
-  const __m256i pick = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  return _mm256_castsi256_ps(
-      _mm256_and_si256(_mm256_blendv_epi8(rounded, nan, pick), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-}
-inline __m256 rnd8(__m256 x, float*) { return x; }
-inline __m256 rnd8(__m256 x, uint16_t*) { return rnd8_bf16(x); }
-template <typename T>
-inline __m256 rnd8(__m256 x) { return rnd8(x, static_cast<T*>(nullptr)); }
-// store 8 floats that are already values of the destination type (rnd8 first for bf16)
-inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-inline void store8(uint16_t* p, __m256 x) {
-  const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-#endif
-
+// ---- the elementwise loops, at each vector width ------------------------------------------------
+// f(Lanes16{}) then f(Lanes8{}), the widths this build has: each loop runs 16 lanes a step, then 8,
+// then the scalar tail, with the same roundings at every width.
+template <typename F>
+inline void each_width(F f) {
 #ifdef PDSERVE_AVX512
-// rnd8 and store8 on 16 lanes: the same roundings (a prompt chunk's elementwise work is 16 lanes a step)
-inline __m512 rnd16(__m512 x, float*) { return x; }
-inline __m512 rnd16(__m512 x, uint16_t*) { return rnd16_bf16(x); }
-template <typename T>
-inline __m512 rnd16(__m512 x) { return rnd16(x, static_cast<T*>(nullptr)); }
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(uint16_t* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-}
+  f(Lanes16{});
 #endif
+#ifdef PDSERVE_AVX2
+  f(Lanes8{});
+#endif
+  (void)f;
+}
+
+// Each loop below runs from i on, L::W elements a step, and leaves i where the vectors end.
+template <typename L>
+inline float squares_run(const float* x, int64_t& i, int64_t n) {  // sum of x^2, two sums in flight
+  typename L::V a0 = L::zero(), a1 = a0;
+  for (; i + 2 * L::W <= n; i += 2 * L::W) {
+    const typename L::V x0 = L::load(x + i), x1 = L::load(x + i + L::W);
+    a0 = L::fma(x0, x0, a0);
+    a1 = L::fma(x1, x1, a1);
+  }
+  return L::sum(L::add(a0, a1));
+}
+
+template <typename L, typename R, typename D>
+inline void add_run(R* r, const D* d, float* x, int64_t& i, int64_t n) {  // r = x = R(r + R(d))
+  for (; i + L::W <= n; i += L::W) {
+    const typename L::V v = rnd_lanes<L, R>(L::add(L::load(r + i), rnd_lanes<L, R>(L::load(d + i))));
+    L::store(r + i, v);
+    L::store(x + i, v);
+  }
+}
+
+template <typename L, typename W, typename O>
+inline void norm_run(const float* x, const W* w, O* o, float scale, int64_t& i, int64_t n) {  // o = O(w O(x s))
+  const typename L::V sv = L::set(scale);
+  for (; i + L::W <= n; i += L::W)
+    L::store(o + i, rnd_lanes<L, O>(L::mul(L::load(w + i), rnd_lanes<L, O>(L::mul(L::load(x + i), sv)))));
+}
+
+// RoPE of the pairs (src_i, src_{i + half}) into dst: each product and their sum rounded to C
+template <typename L, typename F, typename C>
+inline void rope_run(const F* src, const C* c, const C* s, C* dst, int64_t half, int64_t& i) {
+  using V = typename L::V;
+  for (; i + L::W <= half; i += L::W) {
+    const V lo = rnd_lanes<L, C>(L::load(src + i)), hi = rnd_lanes<L, C>(L::load(src + half + i));
+    L::store(dst + i, rnd_lanes<L, C>(L::add(rnd_lanes<L, C>(L::mul(lo, L::load(c + i))),
+                                             rnd_lanes<L, C>(L::mul(hi, L::load(s + i))))));
+    L::store(dst + half + i, rnd_lanes<L, C>(L::add(rnd_lanes<L, C>(L::mul(hi, L::load(c + half + i))),
+                                                    rnd_lanes<L, C>(L::mul(lo, L::load(s + half + i))))));
+  }
+}
+
+template <typename L, typename F, typename C>
+inline void copy_run(const F* src, C* dst, int64_t& i, int64_t n) {  // dst = C(src)
+  for (; i + L::W <= n; i += L::W) L::store(dst + i, rnd_lanes<L, C>(L::load(src + i)));
+}
+
+template <typename L, typename T>
+inline void silu_run(const T* gate, const T* up, T* o, int64_t& i, int64_t n) {  // o = T(T(silu(gate)) up)
+  for (; i + L::W <= n; i += L::W) L::store(o + i, silu_times<L, T>(L::load(gate + i), L::load(up + i)));
+}
 
 // rows of at least ~16K elements per thread: a decode batch's row runs on one thread
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
@@ -569,24 +490,11 @@ inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 16384 / st
 inline float sum_squares(const float* x, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
-#ifdef PDSERVE_AVX512
-  __m512 b0 = _mm512_setzero_ps(), b1 = b0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
-    b0 = _mm512_fmadd_ps(x0, x0, b0);
-    b1 = _mm512_fmadd_ps(x1, x1, b1);
-  }
-  total = hsum(fold(_mm512_add_ps(b0, b1)));
-#endif
-#ifdef PDSERVE_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-    a0 = _mm256_fmadd_ps(x0, x0, a0);
-    a1 = _mm256_fmadd_ps(x1, x1, a1);
-  }
-  total += hsum(_mm256_add_ps(a0, a1));
-#endif
+  each_width([&](auto lanes) { total += squares_run<decltype(lanes)>(x, i, n); });
+  float part[8] = {};  // a build without vectors: eight sums in flight too (one sum drifts ~10 ulps at 576)
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += x[i + j] * x[i + j];
+  for (int j = 0; j < 8; ++j) total += part[j];
   for (; i < n; ++i) total += x[i] * x[i];
   return total;
 }
@@ -604,20 +512,7 @@ void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows,
       int64_t i0 = 0;
       if (delta != nullptr) {
         const D* d = delta + t * delta_stride;
-#ifdef PDSERVE_AVX512
-        for (; i0 + 16 <= width; i0 += 16) {
-          const __m512 v = rnd16<R>(_mm512_add_ps(load16(r + i0), rnd16<R>(load16(d + i0))));
-          store16(r + i0, v);
-          _mm512_storeu_ps(x.data() + i0, v);
-        }
-#endif
-#ifdef PDSERVE_AVX2
-        for (; i0 + 8 <= width; i0 += 8) {
-          const __m256 v = rnd8<R>(_mm256_add_ps(load8(r + i0), rnd8<R>(load8(d + i0))));
-          store8(r + i0, v);
-          _mm256_storeu_ps(x.data() + i0, v);
-        }
-#endif
+        each_width([&](auto lanes) { add_run<decltype(lanes)>(r, d, x.data(), i0, width); });
         for (int64_t i = i0; i < width; ++i) {
           const float v = rnd<R>(load(r + i) + rnd<R>(load(d + i)));
           store(r + i, v);
@@ -629,16 +524,7 @@ void add_rms_norm_impl(R* res, const D* delta, const W* w, O* out, int64_t rows,
       const float scale = 1.f / std::sqrt(sum_squares(x.data(), width) / static_cast<float>(width) + eps);
       O* o = out + t * width;
       int64_t i = 0;
-#ifdef PDSERVE_AVX512
-      const __m512 sv16 = _mm512_set1_ps(scale);
-      for (; i + 16 <= width; i += 16)
-        store16(o + i, rnd16<O>(_mm512_mul_ps(load16(w + i), rnd16<O>(_mm512_mul_ps(_mm512_loadu_ps(x.data() + i), sv16)))));
-#endif
-#ifdef PDSERVE_AVX2
-      const __m256 sv = _mm256_set1_ps(scale);
-      for (; i + 8 <= width; i += 8)
-        store8(o + i, rnd8<O>(_mm256_mul_ps(load8(w + i), rnd8<O>(_mm256_mul_ps(_mm256_loadu_ps(x.data() + i), sv)))));
-#endif
+      each_width([&](auto lanes) { norm_run<decltype(lanes)>(x.data(), w, o, scale, i, width); });
       for (; i < width; ++i) store(o + i, rnd<O>(load(w + i) * rnd<O>(x[i] * scale)));
     }
   });
@@ -670,24 +556,7 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
         if (dst == nullptr) continue;
         // pairs (x_i, x_{i + half}): roll(x)_i = x_{i + half}, roll(x)_{i + half} = x_i
         int64_t i = 0;
-#ifdef PDSERVE_AVX512
-        for (; i + 16 <= half; i += 16) {
-          const __m512 lo = rnd16<C>(load16(src + i)), hi = rnd16<C>(load16(src + half + i));
-          store16(dst + i, rnd16<C>(_mm512_add_ps(rnd16<C>(_mm512_mul_ps(lo, load16(c + i))),
-                                                  rnd16<C>(_mm512_mul_ps(hi, load16(s + i))))));
-          store16(dst + half + i, rnd16<C>(_mm512_add_ps(rnd16<C>(_mm512_mul_ps(hi, load16(c + half + i))),
-                                                         rnd16<C>(_mm512_mul_ps(lo, load16(s + half + i))))));
-        }
-#endif
-#ifdef PDSERVE_AVX2
-        for (; i + 8 <= half; i += 8) {
-          const __m256 lo = rnd8<C>(load8(src + i)), hi = rnd8<C>(load8(src + half + i));
-          store8(dst + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(lo, load8(c + i))),
-                                                rnd8<C>(_mm256_mul_ps(hi, load8(s + i))))));
-          store8(dst + half + i, rnd8<C>(_mm256_add_ps(rnd8<C>(_mm256_mul_ps(hi, load8(c + half + i))),
-                                                       rnd8<C>(_mm256_mul_ps(lo, load8(s + half + i))))));
-        }
-#endif
+        each_width([&](auto lanes) { rope_run<decltype(lanes)>(src, c, s, dst, half, i); });
         for (; i < half; ++i) {
           const float lo = rnd<C>(load(src + i)), hi = rnd<C>(load(src + half + i));
           store(dst + i, rnd<C>(rnd<C>(lo * load(c + i)) + rnd<C>(hi * load(s + i))));
@@ -699,12 +568,7 @@ void rope_store_impl(const F* qkv, int64_t qkv_stride, const C* cos, const C* si
         const F* src = row + (heads + kv_heads + h) * dim;
         C* dst = v_cache + slot * slot_stride + h * dim;
         int64_t i = 0;
-#ifdef PDSERVE_AVX512
-        for (; i + 16 <= dim; i += 16) store16(dst + i, rnd16<C>(load16(src + i)));
-#endif
-#ifdef PDSERVE_AVX2
-        for (; i + 8 <= dim; i += 8) store8(dst + i, rnd8<C>(load8(src + i)));
-#endif
+        each_width([&](auto lanes) { copy_run<decltype(lanes)>(src, dst, i, dim); });
         for (; i < dim; ++i) store(dst + i, load(src + i));
       }
     }
@@ -720,22 +584,7 @@ void silu_mul_impl(const T* gate_up, int64_t stride, T* out, int64_t rows, int64
       const T* up = gr + width;
       T* o = out + t * width;
       int64_t i = 0;
-#ifdef PDSERVE_AVX512
-      const __m512 one16 = _mm512_set1_ps(1.f);
-      for (; i + 16 <= width; i += 16) {
-        const __m512 x = load16(gr + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        store16(o + i, rnd16<T>(_mm512_mul_ps(rnd16<T>(_mm512_div_ps(x, _mm512_add_ps(one16, e))), load16(up + i))));
-      }
-#endif
-#ifdef PDSERVE_AVX2
-      const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-      for (; i + 8 <= width; i += 8) {
-        const __m256 x = load8(gr + i);
-        const __m256 e = exp8(_mm256_xor_ps(x, sign));
-        store8(o + i, rnd8<T>(_mm256_mul_ps(rnd8<T>(_mm256_div_ps(x, _mm256_add_ps(one, e))), load8(up + i))));
-      }
-#endif
+      each_width([&](auto lanes) { silu_run<decltype(lanes)>(gr, up, o, i, width); });
       for (; i < width; ++i) {
         const float x = load(gr + i);
         store(o + i, rnd<T>(rnd<T>(x / (1.f + std::exp(-x))) * load(up + i)));
@@ -779,8 +628,8 @@ void panel_rows(const float* x, int64_t K, const W* w, float* y, int64_t ldy, in
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0[NP], w1[NP];
     for (int j = 0; j < NP; ++j) {
-      w0[j] = load8(w + j * S + k * kPanel);
-      w1[j] = load8(w + j * S + k * kPanel + 8);
+      w0[j] = Lanes8::load(w + j * S + k * kPanel);
+      w1[j] = Lanes8::load(w + j * S + k * kPanel + 8);
     }
     for (int i = 0; i < MR; ++i) {
       const __m256 xb = _mm256_broadcast_ss(x + i * K + k);

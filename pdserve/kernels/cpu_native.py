@@ -28,8 +28,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the torch path)
+# "avx2" or "portable": build for at most those instruction sets even where the CPU has more (to test
+# the 8-lane or scalar loops on an AVX512 machine; the AMX GEMM asks the CPU at run time regardless)
+ISA_ENV = "PDSERVE_CPU_ISA"
+_ISA_CAPS = ("avx2", "portable")
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module; it registers the AMX GEMM's functions too
-_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"), _SOURCE.with_name("cpu_simd16.h"))
+_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"), _SOURCE.with_name("cpu_lanes.h"))
 _NAME = "pdserve_cpu_decode"
 _LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
 DTYPES = (torch.float32, torch.bfloat16)  # what the compiled ops take
@@ -43,15 +47,22 @@ def enabled() -> bool:
 
 def _cpu_flags() -> list[str]:
     """-mavx2 -mfma where this CPU runs them (what the source's fast path needs), with -mavx512f
-    -mavx512dq where it runs those too (the attention's 16-lane loops), else nothing. (The AMX GEMM
-    is compiled for its instructions alone and asks the CPU at run time: cpu_amx.cpp.)"""
+    -mavx512dq where it runs those too (the attention's 16-lane loops), else nothing; capped by
+    $PDSERVE_CPU_ISA. (The AMX GEMM is compiled for its instructions alone and asks the CPU at run
+    time: cpu_amx.cpp.)"""
+    cap = os.environ.get(ISA_ENV, "")
+    if cap and cap not in _ISA_CAPS:
+        raise ValueError(f"${ISA_ENV}={cap!r}: expected one of {_ISA_CAPS} or unset")
+    if cap == "portable":
+        return []
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
     if not {"avx2", "fma"} <= flags:
         return []
-    return ["-mavx2", "-mfma", *(["-mavx512f", "-mavx512dq"] if {"avx512f", "avx512dq"} <= flags else [])]
+    wide = {"avx512f", "avx512dq"} <= flags and cap != "avx2"
+    return ["-mavx2", "-mfma", *(["-mavx512f", "-mavx512dq"] if wide else [])]
 
 
 def _build_dir() -> tuple[Path, list[str]]:

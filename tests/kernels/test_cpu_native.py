@@ -4,8 +4,11 @@ compiler or a writable directory (a container's read-only venv: docker/Dockerfil
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.utils.cpp_extension
@@ -58,3 +61,43 @@ def test_a_library_that_does_not_import_is_built_again(tmp_path, monkeypatch):
                         lambda name, sources, **kw: calls.append((name, kw["build_directory"])) or "rebuilt")
     assert cpu_native.build() == "rebuilt"
     assert calls == [(cpu_native._NAME, str(directory))]
+
+
+def test_an_isa_cap_narrows_the_build_flags(monkeypatch):
+    monkeypatch.setattr(cpu_native.Path, "read_text", lambda self: "fma avx2 avx512f avx512dq")
+    monkeypatch.delenv(cpu_native.ISA_ENV, raising=False)
+    assert cpu_native._cpu_flags() == ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"]
+    monkeypatch.setenv(cpu_native.ISA_ENV, "avx2")
+    assert cpu_native._cpu_flags() == ["-mavx2", "-mfma"]
+    monkeypatch.setenv(cpu_native.ISA_ENV, "portable")
+    assert cpu_native._cpu_flags() == []
+    monkeypatch.setenv(cpu_native.ISA_ENV, "avx9000")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ISA='avx9000'"):
+        cpu_native._cpu_flags()
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        return set(flags) <= set(open("/proc/cpuinfo").read().split())
+    except OSError:
+        return False
+
+
+# The loops are written once for 16 and 8 lanes (cpu_lanes.h) with a scalar tail: on an AVX512 CPU
+# the 8-lane and scalar loops only run in a build capped below it. Each narrower build takes the
+# compiled ops' own tests (a fresh process: the library is loaded once per process).
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_the_narrower_builds_pass_the_compiled_ops_tests(isa):
+    if isa == "avx2" and not _cpu_has("avx2", "fma", "avx512f", "avx512dq"):
+        pytest.skip("the default build is the AVX2 one here (or there is none): the suite already ran it")
+    if isa == "portable" and not _cpu_has("avx2", "fma"):
+        pytest.skip("the default build is the portable one here: the suite already ran it")
+    here = Path(__file__).parent
+    tests = [str(here / name) for name in ("test_cpu_attention.py", "test_cpu_layer_ops.py", "test_cpu_gemm.py")]
+    env = {**os.environ, cpu_native.ISA_ENV: isa}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout.splitlines()[-1]
