@@ -30,44 +30,18 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define PDSERVE_AMX 1
-#include <cpuid.h>
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "cpu_amx_tiles.h"  // PDSERVE_AMX where the compiler has AMX; the tile shapes and configuration
 
 namespace {
-
-constexpr int64_t kRows = 16;       // rows of an A or C tile
-constexpr int64_t kCols = 16;       // columns of a panel (a C tile's fp32 columns)
-constexpr int64_t kDepth = 32;      // k of one tile (16 pairs of bf16)
-constexpr int64_t kTile = kDepth * kCols;  // bf16 per B tile (1 KiB)
 
 #ifdef PDSERVE_AMX
 // AMX and AVX512 for what follows only (the rest of the library is built for the CPU's flags)
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")  // PDSERVE_AMX_TARGET (a pragma takes no macro)
 #define PDSERVE_AVX2 1  // both lane widths' operations (cpu_lanes.h): the AMX CPUs have them
 #define PDSERVE_AVX512 1
 #include "cpu_lanes.h"
 #define AMX_TARGET
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows x 64 bytes: A (16 x 32 bf16), B (16 pairs x 16 x 2 bf16), C (16 x 16 fp32).
-AMX_TARGET void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = kRows;
-  _tile_loadconfig(&cfg);
-}
 
 // C tiles 0..NP-1 = one A block (16 rows at a, lda bytes apart) x NP panels (w, `stride` bf16 apart).
 // Tile 4 holds A; B rotates through 5, 6, 7.
@@ -213,15 +187,6 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   _tile_release();
 }
 
-bool request_amx() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  const bool bf16 = (edx >> 22) & 1u, tile = (edx >> 24) & 1u;
-  const bool avx512_bf16 = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && ((eax >> 5) & 1u);
-  if (!bf16 || !tile || !avx512_bf16) return false;
-  constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // Linux: ask for the tile state
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-}
 #pragma GCC pop_options
 #endif
 

@@ -13,3 +13,9 @@ torch::Tensor gemm_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featu
 // gemm_tiles of a gate_up weight whose gate and up rows are interleaved 16 by 16 (out_features =
 // 2 x I, I a multiple of 16): silu(gate) * up [M, I] bf16, the same bits as gemm_tiles then silu_mul.
 torch::Tensor gemm_tiles_silu(torch::Tensor x, torch::Tensor tiles, int64_t out_features);
+// Causal attention of one request's prefill chunk: q rows [q_start, q_start + q_len) [T, heads, dim]
+// over its seq_len keys in the paged bf16 caches (block_table [max_blocks] int32), the chunk's
+// queries being the last q_len positions; writes out's rows of the chunk. head_dim 64 or 128, AMX
+// CPUs only (cpu_amx_attention.cpp).
+void prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                       int64_t q_start, int64_t q_len, int64_t seq_len, torch::Tensor out, double scale);

@@ -45,7 +45,10 @@ class _Plan:
     # kernel serves this step's decodes: resolved once per step, not once per layer
     native_decode: tuple[object, torch.Tensor, torch.Tensor, torch.Tensor] | None
     short: dict[int, list[int]]  # q_len -> requests: verifications batched per length
-    prefill_ids: list[int]  # the rest of q_len > 1, one SDPA call each
+    prefill_ids: list[int]  # the rest of q_len > 1, one SDPA call (or one compiled call) each
+    # the compiled module when it attends this step's prefill chunks (bf16 on an AMX CPU, head_dim
+    # 64 or 128: cpu_amx_attention.cpp), else None and SDPA does
+    native_prefill: object | None
     metadata: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (seq_lens, block_tables, k_cache), for the chunks
 
     @cached_property
@@ -56,6 +59,9 @@ class _Plan:
             return []
         return _plan_decodes(*self.metadata[:2], self.layout, self.decode_ids, self.metadata[2])
 
+
+# head_dim values the compiled prefill attention takes (cpu_amx_attention.cpp)
+PREFILL_HEAD_DIMS = (64, 128)
 
 # Where a step's plans keep its _DirectDecode (dispatch.paged_attention asks for it first).
 DIRECT_DECODE = "cpu-direct-decode"
@@ -123,9 +129,8 @@ def paged_attention(
     # Rows past the last request are padding (e.g. for CUDA graphs): give them defined values.
     if plan.layout.q_starts[-1] < out.shape[0]:
         out[plan.layout.q_starts[-1] :].zero_()
-    if plan.native_decode is not None and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] \
-            and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1] and k_cache.is_contiguous() \
-            and v_cache.is_contiguous():
+    if plan.native_decode is not None and _heads_contiguous(q) and _heads_contiguous(out) \
+            and k_cache.is_contiguous() and v_cache.is_contiguous():
         native, tables, seqs, rows = plan.native_decode
         native.decode_attention(q, k_cache, v_cache, tables, seq_lens, seqs, rows, out, scale)
         if plans is not None and DIRECT_DECODE not in plans and not plan.prefill_ids and not plan.short \
@@ -134,8 +139,17 @@ def paged_attention(
     else:
         for chunk in plan.decode_chunks:
             _attend_decode_chunk(q, k_cache, v_cache, chunk, scale, out)
+    native = plan.native_prefill
+    if native is not None and not (_heads_contiguous(q) and _heads_contiguous(out) and k_cache.is_contiguous()
+                                   and v_cache.is_contiguous() and block_tables.dtype == torch.int32):
+        native = None
     for s in plan.prefill_ids:
-        reference._attend_one_prefill(q, k_cache, v_cache, block_tables[s], plan.layout, s, scale, out)
+        if native is not None:
+            layout = plan.layout
+            native.prefill_attention(q, k_cache, v_cache, block_tables[s].contiguous(), layout.q_starts[s],
+                                     layout.q_lens[s], layout.seq_lens[s], out, scale)
+        else:
+            reference._attend_one_prefill(q, k_cache, v_cache, block_tables[s], plan.layout, s, scale, out)
     for q_len, ids in plan.short.items():
         reference._attend_short_queries(
             q, k_cache, v_cache, block_tables, plan.layout, ids, q_len, scale, out
@@ -167,7 +181,19 @@ def _build_plan(
         if module is not None:
             native = (module, block_tables.contiguous(), torch.tensor(decode_ids, dtype=torch.int64),
                       torch.tensor([layout.q_starts[s] for s in decode_ids]))
-    return _Plan(layout, decode_ids, native, short, prefill_ids, (seq_lens, block_tables, k_cache))
+    native_prefill = None
+    if prefill_ids and k_cache.device.type == "cpu" and k_cache.dtype == torch.bfloat16 \
+            and k_cache.shape[-1] in PREFILL_HEAD_DIMS:
+        module = cpu_native.load()
+        if module is not None and module.amx_available():
+            native_prefill = module
+    return _Plan(layout, decode_ids, native, short, prefill_ids, native_prefill,
+                 (seq_lens, block_tables, k_cache))
+
+
+def _heads_contiguous(t: torch.Tensor) -> bool:
+    """[T, heads, head_dim] with each token's heads packed (what the compiled kernels index)."""
+    return t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
 
 
 def _plan_decodes(

@@ -949,6 +949,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_panels", &gemm_panels, "x W^T + b on a packed bf16 or fp32 weight, a few rows (CPU)");
   m.def("decode_layers", &decode_layers, "a step of decodes through decoder layers, in one call (CPU)");
   m.def("gemm_tiles_silu", &gemm_tiles_silu, "silu(gate) * up of a gate_up GEMM on AMX tiles (CPU)");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a prefill chunk over its paged K/V, AMX (CPU)");
   m.def("amx_available", &amx_available, "whether this CPU and OS run the AMX-BF16 GEMM");
   m.def("pack_tiles", &pack_tiles, "a bf16 weight packed as AMX B tiles for gemm_tiles (CPU)");
   m.def("gemm_tiles", &gemm_tiles, "x W^T + b on AMX tiles, bf16 in, bf16 or fp32 out (CPU)");

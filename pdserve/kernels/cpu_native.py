@@ -33,7 +33,8 @@ NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the to
 ISA_ENV = "PDSERVE_CPU_ISA"
 _ISA_CAPS = ("avx2", "portable")
 _SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module; it registers the AMX GEMM's functions too
-_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"), _SOURCE.with_name("cpu_lanes.h"))
+_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"), _SOURCE.with_name("cpu_lanes.h"),
+            _SOURCE.with_name("cpu_amx_tiles.h"), _SOURCE.with_name("cpu_amx_attention.cpp"))
 _NAME = "pdserve_cpu_decode"
 _LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
 DTYPES = (torch.float32, torch.bfloat16)  # what the compiled ops take

@@ -1,7 +1,8 @@
 """The "cpu" backend against the torch reference and the float64 naive attention (float32 1e-5,
-bfloat16 2e-2, the reference's own bounds). With the compiled decode kernel off (PDSERVE_CPU_NATIVE=0)
-the backend is the reference bit for bit (it runs the reference's math); with it on, every row the
-kernel does not compute still is, and decode rows agree with the naive attention within the bounds.
+bfloat16 2e-2, the reference's own bounds). With the compiled kernels off (PDSERVE_CPU_NATIVE=0)
+the backend is the reference bit for bit (it runs the reference's math); with them on, every row
+they do not compute still is, and the decode rows (and, in bf16 on an AMX CPU, the prefill chunks'
+rows) agree with the naive attention within the bounds.
 """
 
 from __future__ import annotations
@@ -21,9 +22,28 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def decode_rows(batch: PagedBatch) -> list[int]:
-    """Rows of the requests with one query token: what the compiled kernel computes."""
+    """Rows of the requests with one query token: what the compiled decode kernel computes."""
     starts = batch.query_start_loc.tolist()
     return [starts[s] for s, q_len in enumerate(batch.q_lens) if q_len == 1]
+
+
+def prefill_native() -> bool:
+    ops = cpu_native.load()
+    return ops is not None and ops.amx_available()
+
+
+def prefill_rows(batch: PagedBatch) -> list[int]:
+    """Rows of the prefill chunks (q_len > 1 and not a short query over a context) that the
+    compiled prefill attention computes: bf16, head_dim 64 or 128, a CPU with AMX."""
+    if batch.q.dtype != torch.bfloat16 or batch.q.shape[-1] not in cpu_attention.PREFILL_HEAD_DIMS \
+            or not prefill_native():
+        return []
+    starts, rows = batch.query_start_loc.tolist(), []
+    for s, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens.tolist(), strict=True)):
+        short = 1 < q_len <= reference._SHORT_QUERY_MAX and q_len < seq_len
+        if q_len > 1 and not short:
+            rows.extend(range(starts[s], starts[s] + q_len))
+    return rows
 
 
 def assert_cpu_matches(batch: PagedBatch, **kwargs) -> torch.Tensor:
@@ -40,6 +60,7 @@ def assert_cpu_matches(batch: PagedBatch, **kwargs) -> torch.Tensor:
     exact = torch.ones(got.shape[0], dtype=torch.bool)
     if cpu_native.load() is not None:
         exact[decode_rows(batch)] = False
+        exact[prefill_rows(batch)] = False
     assert torch.equal(got[exact], want[exact])
     torch.testing.assert_close(got.double(), naive, atol=tol, rtol=tol)
     return got
@@ -322,6 +343,85 @@ def test_the_decode_kernel_refuses_bad_inputs():
     half = make_batch([1, 1], [5, 9], dtype=torch.float16)
     got = paged_attention(*half.args(), backend="cpu")
     assert torch.equal(got, paged_attention(*half.args(), backend="torch"))
+
+
+needs_amx = pytest.mark.skipif(not prefill_native(), reason="the compiled prefill attention needs AMX-BF16; "
+                               "other CPUs take SDPA, tested above (test_random_mixed_batches_match_the_reference)")
+
+
+@needs_amx
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 8), (8, 1, 128, 16)])
+def test_the_prefill_kernel_against_the_naive_attention(num_heads, num_kv_heads, head_dim, block_size):
+    # Chunks of 1, 16, 17 and 130 queries (whole and partial 16-query items), fresh and over a
+    # cached context (a chunked prefill, a prefix hit), one past a 2048-key pass (the rescaled
+    # second pass) and one longer than two passes; scattered blocks, -1 padded tables; rows of
+    # other requests (a decode, a short query) left as they were.
+    kernel = cpu_native.load()
+    q_lens = [1, 16, 17, 130, 40, 3, 24, 1]
+    seq_lens = [1, 16, 17 + 60, 130, 40 + 2030, 3 + 17, 24 + 4100, 9]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + block_size)
+    batch.q.mul_(3)  # sharper softmax than unit scores: max and exps matter
+    starts = batch.query_start_loc.tolist()
+    out = torch.full_like(batch.q, 3.0)
+    chunks = [0, 1, 2, 3, 4, 6]
+    for s in chunks:
+        kernel.prefill_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables[s], starts[s],
+                                 q_lens[s], seq_lens[s], out, batch.scale)
+    rows = [r for s in chunks for r in range(starts[s], starts[s + 1])]
+    others = [r for r in range(out.shape[0]) if r not in rows]
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out[rows].double(), naive_attention(batch)[rows], atol=tol, rtol=tol)
+    assert torch.all(out[others] == 3.0)  # rows it was not given are not written
+
+
+@needs_amx
+def test_the_prefill_kernel_refuses_bad_inputs():
+    kernel = cpu_native.load()
+    batch = make_batch([20], [30], head_dim=64, dtype=torch.bfloat16)
+    out = torch.empty_like(batch.q)
+    table = batch.block_tables[0]
+    good = (batch.q, batch.k_cache, batch.v_cache, table, 0, 20, 30, out, batch.scale)
+    kernel.prefill_attention(*good)
+    cases = [
+        ((batch.q.float(), *good[1:]), "bfloat16 q, caches and out"),
+        ((*good[:3], table.long(), *good[4:]), "block_table \\[max_blocks\\] int32"),
+        ((*good[:4], 0, 31, 30, out, batch.scale), "0 < q_len <= seq_len"),
+        ((*good[:4], 5, 20, 30, out, batch.scale), "chunk's rows inside q"),
+        ((*good[:6], 300, out, batch.scale), "needs"),
+        ((*good[:3], torch.tensor([0, 99, -1, -1], dtype=torch.int32), *good[4:]), "outside the cache"),
+        ((batch.q.transpose(0, 1).contiguous().transpose(0, 1), *good[1:]), "contiguous heads"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            kernel.prefill_attention(*args)
+    small = make_batch([20], [30], head_dim=16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim 64 or 128"):
+        kernel.prefill_attention(small.q, small.k_cache, small.v_cache, small.block_tables[0], 0, 20, 30,
+                                 torch.empty_like(small.q), small.scale)
+
+
+@needs_amx
+def test_a_bf16_prefill_takes_the_kernel_and_fp32_or_other_head_dims_take_sdpa(monkeypatch):
+    calls = []
+    real = cpu_native.load()
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if name != "prefill_attention":
+                return attr
+            return lambda *a: calls.append(a[4:7]) or attr(*a)
+
+    monkeypatch.setitem(cpu_native._state, "module", Counting())
+    for dtype, head_dim, want in [(torch.bfloat16, 64, [(0, 40, 40), (40, 50, 120)]), (torch.float32, 64, []),
+                                  (torch.bfloat16, 32, [])]:
+        calls.clear()
+        batch = make_batch([40, 50, 1, 5], [40, 120, 7, 30], head_dim=head_dim, dtype=dtype, num_heads=6,
+                           num_kv_heads=2)
+        assert_cpu_matches(batch)
+        assert calls == want, (dtype, head_dim)
 
 
 def test_with_the_kernel_off_nothing_builds_or_loads(monkeypatch):
