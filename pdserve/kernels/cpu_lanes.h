@@ -94,6 +94,7 @@ struct Lanes16 {
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V scale2(V p, V n) { return _mm512_scalef_ps(p, n); }  // p 2^n: inf above, 0 below the range
   static V min(V a, V b) { return _mm512_min_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V neg(V a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.f)); }
@@ -108,6 +109,11 @@ struct Lanes16 {
   static V zero_where(M m, V x) { return _mm512_maskz_mov_ps(static_cast<__mmask16>(~m), x); }
   static V select(M m, V a, V b) { return _mm512_mask_blend_ps(m, a, b); }
   static V rnd_bf16(V x) {
+#ifdef __AVX512BF16__
+    // VCVTNEPS2BF16: nearest even, NaN kept quiet; denormals (below 1.2e-38) flush to 0, where
+    // torch keeps them: the one difference from the bit operations below
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+#endif
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
@@ -126,6 +132,22 @@ struct Lanes16 {
 template <typename L>
 inline typename L::V exp_lanes(typename L::V x) {
   using V = typename L::V;
+#ifdef PDSERVE_AVX512
+  if constexpr (L::W == 16) {  // the same polynomial, 2^n by VSCALEFPS: no clamps, no exponent bits built
+    const auto zero_mask = L::lt(x, L::set(-87.0f));
+    const V n = L::round(L::mul(x, L::set(1.44269504088896341f)));
+    V r = L::fnma(n, L::set(0.693359375f), x);
+    r = L::fnma(n, L::set(-2.12194440e-4f), r);
+    V p = L::set(1.9875691500e-4f);
+    p = L::fma(p, r, L::set(1.3981999507e-3f));
+    p = L::fma(p, r, L::set(8.3334519073e-3f));
+    p = L::fma(p, r, L::set(4.1665795894e-2f));
+    p = L::fma(p, r, L::set(1.6666665459e-1f));
+    p = L::fma(p, r, L::set(5.0000001201e-1f));
+    const V y = L::add(L::fma(L::mul(p, r), r, r), L::set(1.0f));
+    return L::zero_where(zero_mask, L::scale2(y, n));  // inf from 88.7 up, as expf
+  }
+#endif
   const V lo = L::set(-87.0f);
   const auto zero_mask = L::lt(x, lo);
   const auto inf_mask = L::gt(x, L::set(88.0f));

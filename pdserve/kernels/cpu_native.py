@@ -48,7 +48,8 @@ def enabled() -> bool:
 
 def _cpu_flags() -> list[str]:
     """-mavx2 -mfma where this CPU runs them (what the source's fast path needs), with -mavx512f
-    -mavx512dq where it runs those too (the attention's 16-lane loops), else nothing; capped by
+    -mavx512dq where it runs those too (the 16-lane loops) and -mavx512bf16 where it has AVX512-BF16,
+    else nothing; capped by
     $PDSERVE_CPU_ISA. (The AMX GEMM is compiled for its instructions alone and asks the CPU at run
     time: cpu_amx.cpp.)"""
     cap = os.environ.get(ISA_ENV, "")
@@ -63,7 +64,8 @@ def _cpu_flags() -> list[str]:
     if not {"avx2", "fma"} <= flags:
         return []
     wide = {"avx512f", "avx512dq"} <= flags and cap != "avx2"
-    return ["-mavx2", "-mfma", *(["-mavx512f", "-mavx512dq"] if wide else [])]
+    bf16 = wide and "avx512_bf16" in flags  # one-instruction bf16 rounding (cpu_lanes.h)
+    return ["-mavx2", "-mfma", *(["-mavx512f", "-mavx512dq"] if wide else []), *(["-mavx512bf16"] if bf16 else [])]
 
 
 def _build_dir() -> tuple[Path, list[str]]:
