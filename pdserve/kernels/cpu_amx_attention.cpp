@@ -13,7 +13,7 @@
 // kPass keys:
 //   1. S^T = K Q^T on tiles, stored as fp32 rows of 16 queries.
 //   2. Each query's max over the keys it sees, then p = 2^((s - max) x scale x log2 e) (a degree-5
-//      polynomial, 2.7e-7 relative) summed in fp32 and rounded to bf16 into P^T, in the pairs of keys
+//      polynomial, 2.2e-7 relative) summed in fp32 and rounded to bf16 into P^T, in the pairs of keys
 //      a B tile holds: the steps of SDPA's flash kernel for bf16 (fp32 exps, P rounded to bf16 for
 //      the P V product).
 //   3. O^T = V^T P^T on tiles in fp32; a later pass rescales the earlier sums and output by
@@ -52,19 +52,18 @@ struct Geometry {
   int64_t keys;                         // seq_len rounded up to 32 (the packed K and V per KV head)
 };
 
-// 2^x for x <= 0 (below -149, -inf included, 0): x = n + f, f in [-0.5, 0.5], 2^f by a fitted
-// polynomial (relative error 2.7e-7, 2^0 = 1 exactly), times 2^n.
+// 2^x for x <= 0 (2^x for very negative x is 0; -inf gives NaN, masked by the callers): f = x -
+// floor(x) by VREDUCEPS, 2^f on [0, 1) by a fitted polynomial (relative error 2.2e-7, 2^0 = 1
+// exactly), then VSCALEFPS multiplies by 2^floor(x) itself: 8 operations.
 inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));  // 2^-200 underflows to 0
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3357248390093446e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.668693877756596e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550398677587509e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022285640239716e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472420692444e-1f));
+  const __m512 f = _mm512_reduce_ps(x, 0x09);  // x - floor(x): 0 fraction bits kept, round down, no exception
+  __m512 p = _mm512_set1_ps(1.8576009897515178e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.038320742547512e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5783357471227646e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4016965925693512e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931507587432861e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(p, x);
 }
 
 // r[j] lane i <- r[i] lane j: a 16 x 16 transpose of 32-bit elements.
@@ -183,31 +182,29 @@ void scores(const uint16_t* qt, const uint16_t* k, int64_t j0, int64_t n16, floa
   }
 }
 
-// O^T [64 dims][16 queries] at o (contiguous) = the V^T tiles of dims [d0, d0 + 64) x P^T, keys
-// [32 j0, 32 (j0 + n32)): C 0-3, P^T in 4-5, V^T in 6-7 (each alternating).
-void weigh(const uint16_t* pt, const uint16_t* vt, int64_t D16, int64_t j0, int64_t n32, int64_t d0, float* o) {
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  int64_t j = 0;
-  const auto a = [&](int64_t jj, int64_t i) { return vt + ((j0 + jj) * D16 + d0 / kCols + i) * kTile; };
-  for (; j + 2 <= n32; j += 2) {
-    _tile_loadd(4, pt + j * kTile, 64);
-    _tile_loadd(6, a(j, 0), 64); _tile_dpbf16ps(0, 6, 4);
-    _tile_loadd(7, a(j, 1), 64); _tile_dpbf16ps(1, 7, 4);
-    _tile_loadd(6, a(j, 2), 64); _tile_dpbf16ps(2, 6, 4);
-    _tile_loadd(7, a(j, 3), 64); _tile_dpbf16ps(3, 7, 4);
-    _tile_loadd(5, pt + (j + 1) * kTile, 64);
-    _tile_loadd(6, a(j + 1, 0), 64); _tile_dpbf16ps(0, 6, 5);
-    _tile_loadd(7, a(j + 1, 1), 64); _tile_dpbf16ps(1, 7, 5);
-    _tile_loadd(6, a(j + 1, 2), 64); _tile_dpbf16ps(2, 6, 5);
-    _tile_loadd(7, a(j + 1, 3), 64); _tile_dpbf16ps(3, 7, 5);
+// O^T [64 dims][16 queries] += the V^T tiles of 64 dims (a(i): dims 16 i ..) x one P^T tile (32 keys),
+// accumulated in C 0-3; P^T in 4 or 5 (by `odd`, so a tile's load need not wait for the last one's
+// products), V^T in 6-7. pv_start zeroes C 0-3, pv_end stores them.
+inline void pv_start() { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+
+template <typename A>
+inline void pv_tile(const uint16_t* pt, A a, bool odd) {
+  if (odd) {
+    _tile_loadd(5, pt, 64);
+    _tile_loadd(6, a(0), 64); _tile_dpbf16ps(0, 6, 5);
+    _tile_loadd(7, a(1), 64); _tile_dpbf16ps(1, 7, 5);
+    _tile_loadd(6, a(2), 64); _tile_dpbf16ps(2, 6, 5);
+    _tile_loadd(7, a(3), 64); _tile_dpbf16ps(3, 7, 5);
+  } else {
+    _tile_loadd(4, pt, 64);
+    _tile_loadd(6, a(0), 64); _tile_dpbf16ps(0, 6, 4);
+    _tile_loadd(7, a(1), 64); _tile_dpbf16ps(1, 7, 4);
+    _tile_loadd(6, a(2), 64); _tile_dpbf16ps(2, 6, 4);
+    _tile_loadd(7, a(3), 64); _tile_dpbf16ps(3, 7, 4);
   }
-  for (; j < n32; ++j) {
-    _tile_loadd(4, pt + j * kTile, 64);
-    _tile_loadd(6, a(j, 0), 64); _tile_dpbf16ps(0, 6, 4);
-    _tile_loadd(7, a(j, 1), 64); _tile_dpbf16ps(1, 7, 4);
-    _tile_loadd(6, a(j, 2), 64); _tile_dpbf16ps(2, 6, 4);
-    _tile_loadd(7, a(j, 3), 64); _tile_dpbf16ps(3, 7, 4);
-  }
+}
+
+inline void pv_end(float* o) {
   _tile_stored(0, o, 64); _tile_stored(1, o + 256, 64);
   _tile_stored(2, o + 512, 64); _tile_stored(3, o + 768, 64);
 }
@@ -272,26 +269,43 @@ void attend_item(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out
       for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(w.acc.data() + d * 16, _mm512_mul_ps(_mm512_loadu_ps(w.acc.data() + d * 16), alpha));
     }
     m = top;
-    // p = 2^(s c2 - top c2) for each pair of keys, interleaved as a B tile row: (p[2i][n], p[2i+1][n])
+    // p = 2^(s c2 - top c2) for each pair of keys, interleaved as a B tile row: (p[2i][n], p[2i+1][n]);
+    // each P^T tile's products with V^T issued once the next tile's exps are: the tile unit works
+    // while the vector units compute (the first 64 dims; a dim 128 head's second half after)
     const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
     uint16_t* pt = w.pt.data();
-    for (key = 0; key < n32 * kDepth; key += 2) {
-      const bool full = k0 + key + 1 < base;
-      __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + key * 16), c2, shift));
-      __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + key * 16 + 16), c2, shift));
-      if (!full) {
-        e0 = _mm512_maskz_mov_ps(key < nk ? seen(k0 + key) : 0, e0);
-        e1 = _mm512_maskz_mov_ps(key + 1 < nk ? seen(k0 + key + 1) : 0, e1);
+    const auto vtile = [&](int64_t j, int64_t d0) {
+      return [=](int64_t i) { return vth + ((k0 / kDepth + j) * D16 + d0 / kCols + i) * kTile; };
+    };
+    // dim 64: two P^T tiles in turn (the buffer stays in L1 beside S^T); more dims keep them all
+    const auto ptile = [&](int64_t j) { return pt + (D > 4 * kCols ? j : j % 2) * kTile; };
+    pv_start();
+    for (int64_t j = 0; j < n32; ++j) {
+      uint16_t* tile = ptile(j);
+      for (key = j * kDepth; key < (j + 1) * kDepth; key += 2) {
+        const bool full = k0 + key + 1 < base;
+        __m512 e0 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + key * 16), c2, shift));
+        __m512 e1 = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(s + key * 16 + 16), c2, shift));
+        if (!full) {
+          e0 = _mm512_maskz_mov_ps(key < nk ? seen(k0 + key) : 0, e0);
+          e1 = _mm512_maskz_mov_ps(key + 1 < nk ? seen(k0 + key + 1) : 0, e1);
+        }
+        l0 = _mm512_add_ps(l0, e0);
+        l1 = _mm512_add_ps(l1, e1);
+        _mm512_storeu_si512(tile + (key - j * kDepth) * 16,
+                            _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
       }
-      l0 = _mm512_add_ps(l0, e0);
-      l1 = _mm512_add_ps(l1, e1);
-      _mm512_storeu_si512(pt + key * 16, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+      if (j > 0) pv_tile(ptile(j - 1), vtile(j - 1, 0), (j - 1) % 2);
     }
+    pv_tile(ptile(n32 - 1), vtile(n32 - 1, 0), (n32 - 1) % 2);
+    pv_end(w.o.data());
     l = _mm512_add_ps(l, _mm512_add_ps(l0, l1));
-    for (int64_t d0 = 0; d0 < D; d0 += 4 * kCols) {
-      weigh(w.pt.data(), vth, D16, k0 / kDepth, n32, d0, w.o.data() + d0 * 16);
+    for (int64_t d0 = 4 * kCols; d0 < D; d0 += 4 * kCols) {  // dims past 64
+      pv_start();
+      for (int64_t j = 0; j < n32; ++j) pv_tile(pt + j * kTile, vtile(j, d0), j % 2);
+      pv_end(w.o.data() + d0 * 16);
     }
     for (int64_t d = 0; d < D; ++d) {
       const __m512 v = _mm512_loadu_ps(w.o.data() + d * 16);
