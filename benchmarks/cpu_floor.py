@@ -35,7 +35,8 @@ Everything is measured here, in one process, as medians of --repeats:
               At batch 1 also step / the streaming floor at the bandwidth read just before it.
   prefill     one request's --prefill-tokens prompt prefilled in one step (a fresh random prompt
               each repeat), against the GEMM floor of those rows (the lm_head on the one row
-              sampled): the share of the step its GEMMs would take at the floor.
+              sampled): the share of the step its GEMMs would take at the floor; paired as above
+              (each step against the floor's linears run just before it).
 """
 
 from __future__ import annotations
@@ -272,9 +273,11 @@ def engine_step_ms(args, batch: int, floor_calls: list | None = None,
         llm.close()
 
 
-def engine_prefill_ms(args, num_tokens: int) -> float:
+def engine_prefill_ms(args, num_tokens: int, floor_calls: list | None = None) -> tuple[float, list[float]]:
     """Median ms of an engine step that prefills one request's `num_tokens`-token prompt in one
-    chunk (fresh random prompts: no prefix-cache hit), over --repeats, after --warmup."""
+    chunk (fresh random prompts: no prefix-cache hit), over --repeats, after --warmup; and, with
+    `floor_calls` (the GEMM floor's linears, run just before each timed step), each pair's floor
+    time over its step time (the machine's speed drifts between minutes, a pair does not)."""
     from pdserve.engine import LLM, SamplingParams
 
     block_size = 16
@@ -285,16 +288,19 @@ def engine_prefill_ms(args, num_tokens: int) -> float:
         engine = llm.engine
         g = torch.Generator().manual_seed(num_tokens)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-        times = []
+        times, ratios = [], []
         for i in range(args.warmup + args.repeats):
             engine.add_request(torch.randint(engine.model_config.vocab_size, (num_tokens,), generator=g).tolist(),
                                params)
+            floor = _run_calls(floor_calls) if floor_calls else None
             start = time.perf_counter()
             engine.step()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
+                if floor is not None:
+                    ratios.append(floor / times[-1])
             assert not engine.has_unfinished(), "the prompt is prefilled (and its one token sampled) in one step"
-        return 1e3 * statistics.median(times)
+        return 1e3 * statistics.median(times), ratios
     finally:
         llm.close()
 
@@ -331,9 +337,9 @@ def run(args) -> dict:
     if args.prefill_tokens:
         prefill = {"tokens": args.prefill_tokens,
                    **gemm_floor(config, dtype, args.prefill_tokens, args.repeats, logit_rows=1)}
-        del prefill["calls"]
-        prefill["step_ms"] = engine_prefill_ms(args, args.prefill_tokens)
+        prefill["step_ms"], ratios = engine_prefill_ms(args, args.prefill_tokens, prefill.pop("calls"))
         prefill["gemm_floor_over_step"] = prefill["gemm_floor_ms"] / prefill["step_ms"]
+        prefill["paired_gemm_floor_over_step"] = statistics.median(ratios)
     stream_ms = 1e3 * weight_bytes / (bandwidth * 1e9)
     result = {"cpu": cpu_info(), "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
               "context_len": args.context_len, "repeats": args.repeats, "read_bandwidth_gbs": bandwidth,
@@ -371,7 +377,7 @@ def report(result: dict) -> None:
     if pre is not None:
         print(f"prefill of {pre['tokens']} tokens: GEMM floor {pre['gemm_floor_ms']:.2f} ms ({pre['gemm_floor_path']}), "
               f"engine step {pre['step_ms']:.2f} ms: the step runs at {100 * pre['gemm_floor_over_step']:.0f}% "
-              f"of its GEMM floor")
+              f"of its GEMM floor (medians), {100 * pre['paired_gemm_floor_over_step']:.0f}% paired")
 
 
 def main(argv: list[str] | None = None) -> int:

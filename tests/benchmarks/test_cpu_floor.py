@@ -45,6 +45,7 @@ def test_cpu_floor_reports_gemm_floor_bandwidth_and_step_ratios(tmp_path, capsys
     pre = result["prefill"]
     assert pre["tokens"] == 48 and pre["step_ms"] > 0 and pre["gemm_floor_ms"] == min(pre["gemm_ms"].values())
     assert pre["gemm_floor_over_step"] == pytest.approx(pre["gemm_floor_ms"] / pre["step_ms"])
+    assert pre["paired_gemm_floor_over_step"] > 0 and "calls" not in pre
     printed = capsys.readouterr().out
     assert "prefill of 48 tokens" in printed
     assert "avx512_bf16=" in printed and "floor path" in printed and "step / weight streaming" in printed
