@@ -127,32 +127,12 @@ struct Lanes16 {
 };
 #endif
 
-// exp of a vector (Cephes' expf polynomial, ~1 ulp; exp(x) = 0 below -87, so no denormal reaches
-// the sums, and +inf above 88): the softmax's exps would otherwise cost more than its dot products.
+// exp(x) = 2^n e^r, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes' expf
+// polynomial (~1 ulp): returns e^r and leaves n, for the caller to scale by 2^n its own way
 template <typename L>
-inline typename L::V exp_lanes(typename L::V x) {
+inline typename L::V exp_reduced(typename L::V x, typename L::V& n) {
   using V = typename L::V;
-#ifdef PDSERVE_AVX512
-  if constexpr (L::W == 16) {  // the same polynomial, 2^n by VSCALEFPS: no clamps, no exponent bits built
-    const auto zero_mask = L::lt(x, L::set(-87.0f));
-    const V n = L::round(L::mul(x, L::set(1.44269504088896341f)));
-    V r = L::fnma(n, L::set(0.693359375f), x);
-    r = L::fnma(n, L::set(-2.12194440e-4f), r);
-    V p = L::set(1.9875691500e-4f);
-    p = L::fma(p, r, L::set(1.3981999507e-3f));
-    p = L::fma(p, r, L::set(8.3334519073e-3f));
-    p = L::fma(p, r, L::set(4.1665795894e-2f));
-    p = L::fma(p, r, L::set(1.6666665459e-1f));
-    p = L::fma(p, r, L::set(5.0000001201e-1f));
-    const V y = L::add(L::fma(L::mul(p, r), r, r), L::set(1.0f));
-    return L::zero_where(zero_mask, L::scale2(y, n));  // inf from 88.7 up, as expf
-  }
-#endif
-  const V lo = L::set(-87.0f);
-  const auto zero_mask = L::lt(x, lo);
-  const auto inf_mask = L::gt(x, L::set(88.0f));
-  x = L::max(L::min(x, L::set(88.0f)), lo);
-  const V n = L::round(L::mul(x, L::set(1.44269504088896341f)));
+  n = L::round(L::mul(x, L::set(1.44269504088896341f)));
   V r = L::fnma(n, L::set(0.693359375f), x);
   r = L::fnma(n, L::set(-2.12194440e-4f), r);
   V p = L::set(1.9875691500e-4f);
@@ -161,7 +141,26 @@ inline typename L::V exp_lanes(typename L::V x) {
   p = L::fma(p, r, L::set(4.1665795894e-2f));
   p = L::fma(p, r, L::set(1.6666665459e-1f));
   p = L::fma(p, r, L::set(5.0000001201e-1f));
-  const V y = L::add(L::fma(L::mul(p, r), r, r), L::set(1.0f));
+  return L::add(L::fma(L::mul(p, r), r, r), L::set(1.0f));
+}
+
+// exp of a vector (exp(x) = 0 below -87, so no denormal reaches the sums, and +inf above 88): the
+// softmax's exps would otherwise cost more than its dot products.
+template <typename L>
+inline typename L::V exp_lanes(typename L::V x) {
+  using V = typename L::V;
+  V n;
+#ifdef PDSERVE_AVX512
+  if constexpr (L::W == 16) {  // 2^n by VSCALEFPS: no clamps, no exponent bits built
+    const auto zero_mask = L::lt(x, L::set(-87.0f));
+    const V y = exp_reduced<L>(x, n);
+    return L::zero_where(zero_mask, L::scale2(y, n));  // inf from 88.7 up, as expf
+  }
+#endif
+  const V lo = L::set(-87.0f);
+  const auto zero_mask = L::lt(x, lo);
+  const auto inf_mask = L::gt(x, L::set(88.0f));
+  const V y = exp_reduced<L>(L::max(L::min(x, L::set(88.0f)), lo), n);
   const V finite = L::zero_where(zero_mask, L::mul(y, L::pow2(n)));
   return L::select(inf_mask, finite, L::set(std::numeric_limits<float>::infinity()));
 }
