@@ -133,7 +133,7 @@ AMX_TARGET void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t co
 // The gate_up projection's epilogue (pack_tiles of gate and up rows interleaved 16 by 16): the
 // staged sums of `pairs` panel pairs (gate, up) become silu(gate) * up, with the roundings the
 // unfused path makes: gate and up rounded to bf16 (the GEMM's output), then silu_mul's arithmetic
-// (cpu_lanes.h: silu_times). The same bits as gemm_tiles + silu_mul.
+// (cpu_lanes.h: store_silu_times). The same bits as gemm_tiles + silu_mul.
 AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64_t pairs, uint16_t* y, int64_t ldy) {
   const auto bf16 = [](__m512 v) {  // the GEMM's own rounding (write_rows), back as floats
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -142,7 +142,7 @@ AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64
     for (int64_t j = 0; j < pairs; ++j) {
       const __m512 g = bf16(_mm512_loadu_ps(c + r * ldc + 2 * j * kCols));
       const __m512 u = bf16(_mm512_loadu_ps(c + r * ldc + (2 * j + 1) * kCols));
-      Lanes16::store(y + r * ldy + j * kCols, silu_times<Lanes16, uint16_t>(g, u));
+      store_silu_times<Lanes16, uint16_t>(y + r * ldy + j * kCols, g, u);
     }
 }
 

@@ -448,9 +448,7 @@ inline float squares_run(const float* x, int64_t& i, int64_t n) {  // sum of x^2
 template <typename L, typename R, typename D>
 inline void add_run(R* r, const D* d, float* x, int64_t& i, int64_t n) {  // r = x = R(r + R(d))
   for (; i + L::W <= n; i += L::W) {
-    const typename L::V v = rnd_lanes<L, R>(L::add(L::load(r + i), rnd_lanes<L, R>(L::load(d + i))));
-    L::store(r + i, v);
-    L::store(x + i, v);
+    L::store(x + i, store_rnd_kept<L, R>(r + i, L::add(L::load(r + i), load_rnd<L, R>(d + i))));
   }
 }
 
@@ -458,7 +456,7 @@ template <typename L, typename W, typename O>
 inline void norm_run(const float* x, const W* w, O* o, float scale, int64_t& i, int64_t n) {  // o = O(w O(x s))
   const typename L::V sv = L::set(scale);
   for (; i + L::W <= n; i += L::W)
-    L::store(o + i, rnd_lanes<L, O>(L::mul(L::load(w + i), rnd_lanes<L, O>(L::mul(L::load(x + i), sv)))));
+    store_rnd<L, O>(o + i, L::mul(L::load(w + i), rnd_lanes<L, O>(L::mul(L::load(x + i), sv))));
 }
 
 // RoPE of the pairs (src_i, src_{i + half}) into dst: each product and their sum rounded to C
@@ -466,22 +464,21 @@ template <typename L, typename F, typename C>
 inline void rope_run(const F* src, const C* c, const C* s, C* dst, int64_t half, int64_t& i) {
   using V = typename L::V;
   for (; i + L::W <= half; i += L::W) {
-    const V lo = rnd_lanes<L, C>(L::load(src + i)), hi = rnd_lanes<L, C>(L::load(src + half + i));
-    L::store(dst + i, rnd_lanes<L, C>(L::add(rnd_lanes<L, C>(L::mul(lo, L::load(c + i))),
-                                             rnd_lanes<L, C>(L::mul(hi, L::load(s + i))))));
-    L::store(dst + half + i, rnd_lanes<L, C>(L::add(rnd_lanes<L, C>(L::mul(hi, L::load(c + half + i))),
-                                                    rnd_lanes<L, C>(L::mul(lo, L::load(s + half + i))))));
+    const V lo = load_rnd<L, C>(src + i), hi = load_rnd<L, C>(src + half + i);
+    store_rnd<L, C>(dst + i, L::add(rnd_lanes<L, C>(L::mul(lo, L::load(c + i))), rnd_lanes<L, C>(L::mul(hi, L::load(s + i)))));
+    store_rnd<L, C>(dst + half + i, L::add(rnd_lanes<L, C>(L::mul(hi, L::load(c + half + i))),
+                                           rnd_lanes<L, C>(L::mul(lo, L::load(s + half + i)))));
   }
 }
 
 template <typename L, typename F, typename C>
 inline void copy_run(const F* src, C* dst, int64_t& i, int64_t n) {  // dst = C(src)
-  for (; i + L::W <= n; i += L::W) L::store(dst + i, rnd_lanes<L, C>(L::load(src + i)));
+  for (; i + L::W <= n; i += L::W) store_rnd<L, C>(dst + i, L::load(src + i));
 }
 
 template <typename L, typename T>
 inline void silu_run(const T* gate, const T* up, T* o, int64_t& i, int64_t n) {  // o = T(T(silu(gate)) up)
-  for (; i + L::W <= n; i += L::W) L::store(o + i, silu_times<L, T>(L::load(gate + i), L::load(up + i)));
+  for (; i + L::W <= n; i += L::W) store_silu_times<L, T>(o + i, L::load(gate + i), L::load(up + i));
 }
 
 // rows of at least ~16K elements per thread: a decode batch's row runs on one thread

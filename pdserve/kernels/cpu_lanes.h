@@ -65,6 +65,12 @@ struct Lanes8 {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_blendv_epi8(rounded, nan, pick), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
   }
+  static void store_bf16(uint16_t* p, V x) { store(p, rnd_bf16(x)); }  // x rounded to bf16 and stored
+  static V store_bf16_kept(uint16_t* p, V x) {  // the same, and the rounded values back as floats
+    const V r = rnd_bf16(x);
+    store(p, r);
+    return r;
+  }
   static float sum(V x) { return hsum(x); }
   static __m128 sum4(V a, V b, V c, V d) { return hsum4(a, b, c, d); }
 };
@@ -86,9 +92,13 @@ struct Lanes16 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
-  static void store(uint16_t* p, V x) {
+  static void store(uint16_t* p, V x) {  // x already holds bf16 values (rnd_bf16)
+#ifdef __AVX512BF16__
+    store_bf16(p, x);  // exact on bf16 values, and two uops where the shift and VPMOVDW take three
+#else
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+#endif
   }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
@@ -122,6 +132,24 @@ struct Lanes16 {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_blend_epi32(pick, rounded, nan),
                                                 _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
+#ifdef __AVX512BF16__
+  // one VCVTNEPS2BF16 rounds and narrows (rnd_bf16's note on denormals applies)
+  static void store_bf16(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+  }
+  static V store_bf16_kept(uint16_t* p, V x) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#else
+  static void store_bf16(uint16_t* p, V x) { store(p, rnd_bf16(x)); }
+  static V store_bf16_kept(uint16_t* p, V x) {
+    const V r = rnd_bf16(x);
+    store(p, r);
+    return r;
+  }
+#endif
   static float sum(V x) { return hsum(fold(x)); }
   static __m128 sum4(V a, V b, V c, V d) { return hsum4(fold(a), fold(b), fold(c), fold(d)); }
 };
@@ -172,10 +200,34 @@ inline typename L::V rnd_lanes(typename L::V x) {
   else return x;
 }
 
-// T(T(silu(x)) * up), silu(x) = x / (1 + exp(-x)): silu_mul's arithmetic (cpu_decode.cpp), also the
-// fused gate_up GEMM's epilogue (cpu_amx.cpp), so the two give the same bits
+// T(x) stored at p: a float store, or bf16's rounding and narrowing in one step
 template <typename L, typename T>
-inline typename L::V silu_times(typename L::V x, typename L::V up) {
+inline void store_rnd(T* p, typename L::V x) {
+  if constexpr (std::is_same_v<T, uint16_t>) L::store_bf16(p, x);
+  else L::store(p, x);
+}
+
+// store_rnd, and T(x) back as floats for the caller's next use
+template <typename L, typename T>
+inline typename L::V store_rnd_kept(T* p, typename L::V x) {
+  if constexpr (std::is_same_v<T, uint16_t>) return L::store_bf16_kept(p, x);
+  else {
+    L::store(p, x);
+    return x;
+  }
+}
+
+// S values at p as T's values: a bf16 source (every bf16 is a float too) or S = T needs no rounding
+template <typename L, typename T, typename S>
+inline typename L::V load_rnd(const S* p) {
+  if constexpr (std::is_same_v<S, uint16_t> || std::is_same_v<S, T>) return L::load(p);
+  else return rnd_lanes<L, T>(L::load(p));
+}
+
+// T(T(silu(x)) * up), silu(x) = x / (1 + exp(-x)), stored at p: silu_mul's arithmetic (cpu_decode.cpp),
+// also the fused gate_up GEMM's epilogue (cpu_amx.cpp), so the two give the same bits
+template <typename L, typename T>
+inline void store_silu_times(T* p, typename L::V x, typename L::V up) {
   const typename L::V e = exp_lanes<L>(L::neg(x));
-  return rnd_lanes<L, T>(L::mul(rnd_lanes<L, T>(L::div(x, L::add(L::set(1.f), e))), up));
+  store_rnd<L, T>(p, L::mul(rnd_lanes<L, T>(L::div(x, L::add(L::set(1.f), e))), up));
 }
