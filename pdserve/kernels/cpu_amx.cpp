@@ -238,7 +238,7 @@ torch::Tensor run_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featur
   // (a buffer of this thread's, not a new tensor: a decode step makes 121 such calls)
   const int64_t Mp = (M + kRows - 1) / kRows * kRows, Kp = KT * kDepth;
   const uint16_t* ap = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  thread_local std::vector<uint16_t> padded;
+  thread_local LineVector<uint16_t> padded;
   if (M != Mp || K != Kp || x.stride(1) != 1 || x.stride(0) != K) {
     padded.assign(Mp * Kp, 0);
     const int64_t row = x.stride(0);

@@ -212,10 +212,10 @@ inline void pv_end(float* o) {
 // A thread's buffers, kept between calls (a step's layers reuse them); zeroed once, then only
 // ever hold finite values.
 struct Scratch {
-  std::vector<float> s = std::vector<float>(kPass * 16);
-  std::vector<uint16_t> pt = std::vector<uint16_t>(kPass * 16);
-  std::vector<float> o = std::vector<float>(kMaxDim * 16), acc = std::vector<float>(kMaxDim * 16);
-  std::vector<uint16_t> qt = std::vector<uint16_t>(kMaxDim * 16);
+  LineVector<float> s = LineVector<float>(kPass * 16);
+  LineVector<uint16_t> pt = LineVector<uint16_t>(kPass * 16);
+  LineVector<float> o = LineVector<float>(kMaxDim * 16), acc = LineVector<float>(kMaxDim * 16);
+  LineVector<uint16_t> qt = LineVector<uint16_t>(kMaxDim * 16);
 };
 
 // One work item: query head h, the queries [q0, q0 + nq) of the chunk (nq <= 16).
@@ -329,7 +329,7 @@ void run(const uint16_t* q, int64_t q_stride, uint16_t* out, int64_t out_stride,
          const uint16_t* v_cache, const int32_t* table, int64_t block_size, int64_t token_stride, int64_t block_stride,
          const Geometry& g, float scale) {
   const int64_t D = g.dim, chunks = g.keys / kDepth;
-  thread_local std::vector<uint16_t> k, vt;  // the caller's: packed once per call, read by every thread
+  thread_local LineVector<uint16_t> k, vt;  // the caller's: packed once per call, read by every thread
   k.resize(g.kv_heads * g.keys * D);
   vt.resize(g.kv_heads * g.keys * D);
   uint16_t* kp = k.data();

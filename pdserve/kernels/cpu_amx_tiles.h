@@ -14,6 +14,9 @@
 #endif
 
 #include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <vector>
 
 namespace {
 
@@ -21,6 +24,29 @@ constexpr int64_t kRows = 16;   // rows of an A or C tile
 constexpr int64_t kCols = 16;   // columns of a C tile (fp32) or a B tile (bf16 pairs)
 constexpr int64_t kDepth = 32;  // k of one tile (16 pairs of bf16)
 constexpr int64_t kTile = kDepth * kCols;  // bf16 per B tile (1 KiB)
+
+// Memory on 64-byte lines for what the tiles load or store: a tile row that straddles two cache
+// lines costs a tile load ~4x (~40 against ~9 cycles on the issue-13 machine; a std::vector's
+// malloc memory sits 16 bytes past a line).
+template <typename T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <typename U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, std::size_t) { std::free(p); }
+  template <typename U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 #ifdef PDSERVE_AMX
 struct alignas(64) TileConfig {
