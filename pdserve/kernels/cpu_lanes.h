@@ -33,6 +33,7 @@ struct Lanes8 {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static constexpr bool kStoreRounds = false;  // store(uint16_t*) keeps the top halves: x already bf16
   static void store(uint16_t* p, V x) {  // x already holds bf16 values (rnd_bf16)
     const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08);
@@ -65,12 +66,6 @@ struct Lanes8 {
     return _mm256_castsi256_ps(
         _mm256_and_si256(_mm256_blendv_epi8(rounded, nan, pick), _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-  static void store_bf16(uint16_t* p, V x) { store(p, rnd_bf16(x)); }  // x rounded to bf16 and stored
-  static V store_bf16_kept(uint16_t* p, V x) {  // the same, and the rounded values back as floats
-    const V r = rnd_bf16(x);
-    store(p, r);
-    return r;
-  }
   static float sum(V x) { return hsum(x); }
   static __m128 sum4(V a, V b, V c, V d) { return hsum4(a, b, c, d); }
 };
@@ -92,14 +87,20 @@ struct Lanes16 {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
-  static void store(uint16_t* p, V x) {  // x already holds bf16 values (rnd_bf16)
 #ifdef __AVX512BF16__
-    store_bf16(p, x);  // exact on bf16 values, and two uops where the shift and VPMOVDW take three
+  // one VCVTNEPS2BF16 rounds and narrows any x (rnd_bf16's note on denormals applies): two uops
+  // where the shift and VPMOVDW take three
+  static constexpr bool kStoreRounds = true;
+  static void store(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+  }
 #else
+  static constexpr bool kStoreRounds = false;
+  static void store(uint16_t* p, V x) {  // x already holds bf16 values (rnd_bf16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
-#endif
   }
+#endif
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -132,24 +133,6 @@ struct Lanes16 {
     return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_blend_epi32(pick, rounded, nan),
                                                 _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
   }
-#ifdef __AVX512BF16__
-  // one VCVTNEPS2BF16 rounds and narrows (rnd_bf16's note on denormals applies)
-  static void store_bf16(uint16_t* p, V x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
-  }
-  static V store_bf16_kept(uint16_t* p, V x) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-#else
-  static void store_bf16(uint16_t* p, V x) { store(p, rnd_bf16(x)); }
-  static V store_bf16_kept(uint16_t* p, V x) {
-    const V r = rnd_bf16(x);
-    store(p, r);
-    return r;
-  }
-#endif
   static float sum(V x) { return hsum(fold(x)); }
   static __m128 sum4(V a, V b, V c, V d) { return hsum4(fold(a), fold(b), fold(c), fold(d)); }
 };
@@ -200,21 +183,20 @@ inline typename L::V rnd_lanes(typename L::V x) {
   else return x;
 }
 
-// T(x) stored at p: a float store, or bf16's rounding and narrowing in one step
+// T(x) stored at p: a float store, or x rounded to bf16 and narrowed (by the store itself where it rounds)
 template <typename L, typename T>
 inline void store_rnd(T* p, typename L::V x) {
-  if constexpr (std::is_same_v<T, uint16_t>) L::store_bf16(p, x);
+  if constexpr (std::is_same_v<T, uint16_t> && !L::kStoreRounds) L::store(p, L::rnd_bf16(x));
   else L::store(p, x);
 }
 
-// store_rnd, and T(x) back as floats for the caller's next use
+// store_rnd, and T(x) back as floats for the caller's next use (bf16: read back from p, a load
+// the store forwards, where rounding as floats first would take as many vector uops again)
 template <typename L, typename T>
 inline typename L::V store_rnd_kept(T* p, typename L::V x) {
-  if constexpr (std::is_same_v<T, uint16_t>) return L::store_bf16_kept(p, x);
-  else {
-    L::store(p, x);
-    return x;
-  }
+  store_rnd<L, T>(p, x);
+  if constexpr (std::is_same_v<T, uint16_t>) return L::load(p);
+  else return x;
 }
 
 // S values at p as T's values: a bf16 source (every bf16 is a float too) or S = T needs no rounding

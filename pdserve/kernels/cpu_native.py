@@ -68,6 +68,16 @@ def _cpu_flags() -> list[str]:
     return ["-mavx2", "-mfma", *(["-mavx512f", "-mavx512dq"] if wide else []), *(["-mavx512bf16"] if bf16 else [])]
 
 
+def compile_flags() -> list[str]:
+    """The compiler flags of this CPU's build (also what a benchmark's variant builds start from)."""
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()]
+
+
+def cpp_sources() -> list[str]:
+    """The extension's translation units."""
+    return [str(p) for p in _SOURCES if p.suffix == ".cpp"]
+
+
 def _build_dir() -> tuple[Path, list[str]]:
     """<root>/cpu_decode/<hash>: root is the Python environment's own var/pdserve (the venv that
     `make install` filled: a build belongs to its environment, whatever PDSERVE_CACHE_DIR a
@@ -75,7 +85,7 @@ def _build_dir() -> tuple[Path, list[str]]:
     build of this hash (a container's venv holds the one its image built: docker/Dockerfile)."""
     from pdserve.engine.loader import cache_dir  # here: pdserve.engine imports this package
 
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *_cpu_flags()]
+    flags = compile_flags()
     tag = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
     root = Path(sys.prefix) / "var" / "pdserve"
     if not (root / "cpu_decode" / tag / _LIBRARY).exists() \
@@ -114,7 +124,7 @@ def build():
     if bin_dir not in os.environ["PATH"].split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ["PATH"]
     module = load_extension(
-        _NAME, [str(p) for p in _SOURCES if p.suffix == ".cpp"], extra_cflags=flags,
+        _NAME, cpp_sources(), extra_cflags=flags,
         extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False,
     )
     logger.info("CPU decode kernel ready in %.1f s (%s)", time.perf_counter() - start, directory)

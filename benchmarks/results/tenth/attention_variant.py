@@ -9,14 +9,13 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
+from pdserve.kernels import cpu_native
+
 flags = sys.argv[1].split(",") if len(sys.argv) > 1 and sys.argv[1] else []
 name = "v_" + "_".join(f.strip("-D").lower() for f in flags) if flags else "v_base"
 build = Path(tempfile.gettempdir()) / "pdserve_variants" / name
 build.mkdir(parents=True, exist_ok=True)
-src = Path(__file__).resolve().parents[3] / "pdserve" / "kernels"
-ops = load(name, [str(src / f) for f in ("cpu_decode.cpp", "cpu_amx.cpp", "cpu_amx_attention.cpp")],
-           extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-mavx2", "-mfma", "-mavx512f", "-mavx512dq",
-                         "-mavx512bf16", *flags],
+ops = load(name, cpu_native.cpp_sources(), extra_cflags=[*cpu_native.compile_flags(), *flags],
            extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
 if not ops.amx_available():
     sys.exit("no AMX-BF16 on this CPU")
