@@ -122,6 +122,33 @@ def ulp(x: float, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(x))) if x else torch.finfo(dtype).tiny
 
 
+def forced_argmax(model, prompts: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
+    """`model`'s argmax before every position of `outputs`, teacher-forced on prompt + output."""
+    with torch.inference_mode():
+        return [model(input_ids=torch.tensor([p + o])).logits[0, len(p) - 1:len(p) - 1 + len(o)].float()
+                .argmax(-1).tolist() for p, o in zip(prompts, outputs)]
+
+
+def same_share(a: list[list[int]], b: list[list[int]]) -> float:
+    """The share of positions where two runs' tokens are the same."""
+    pairs = [(x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return sum(x == y for x, y in pairs) / max(len(pairs), 1)
+
+
+def fp32_reference(model_path, model, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+    """How far bf16 is from the model itself: the float32 forward's argmax on the engine's sequence
+    (the same weights, upcast) against the engine's tokens and against transformers' bf16 forward.
+    The bf16 forward's own agreement with float32 bounds what being more exact than it can buy: an
+    engine above that against transformers bf16 must reproduce its rounding, not the model."""
+    bf16 = forced_argmax(model, prompts, outputs)
+    fp32_model = load_transformers(model_path, torch.float32)
+    try:
+        fp32 = forced_argmax(fp32_model, prompts, outputs)
+    finally:
+        del fp32_model
+    return {"engine_vs_fp32": same_share(outputs, fp32), "transformers_bf16_vs_fp32": same_share(bf16, fp32)}
+
+
 def score(model, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     """transformers' argmax at every position of `outputs`, teacher-forced on prompt + output."""
     requests, disagreements = [], []
@@ -177,6 +204,8 @@ def measure(args) -> dict:
     if args.transformers_baseline:
         base = score(model, prompts, transformers_generate(model, prompts, args.max_tokens))
         result["transformers_baseline"] = {k: v for k, v in base.items() if k not in ("requests", "disagreements")}
+    if args.fp32_reference:
+        result["fp32_reference"] = fp32_reference(model_path, model, prompts, outputs)
     # an exact tie is the engine's token among transformers' maxima; argmax takes the lowest id
     result["agreement_or_tie"] = (result["agreements"] + result["exact_ties"]) / max(result["positions"], 1)
     return result
@@ -196,6 +225,10 @@ def report(result: dict) -> None:
         print(f"baseline, transformers' own incremental greedy scored the same way: {100 * base['agreement']:.2f}% "
               f"({base['num_disagreements']} disagreements, {base['near_ties']} within 1 ulp, "
               f"{base['exact_ties']} exact ties)")
+    ref = result.get("fp32_reference")
+    if ref is not None:
+        print(f"against the float32 forward on the same sequences: the engine {100 * ref['engine_vs_fp32']:.2f}%, "
+              f"transformers' bf16 forward {100 * ref['transformers_bf16_vs_fp32']:.2f}%")
     if result["num_disagreements"]:
         print(f"{result['num_disagreements']} disagreements: {result['near_ties']} within 1 ulp "
               f"({result['exact_ties']} exact ties), gap median {result['gap_median']:.4g}, max {result['gap_max']:.4g}")
@@ -217,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-prompts", action="store_true", help="seeded random token ids, not the built-in texts")
     p.add_argument("--transformers-baseline", action="store_true",
                    help="also score transformers' own incremental greedy decode the same way")
+    p.add_argument("--fp32-reference", action="store_true",
+                   help="also score the engine's tokens and transformers' bf16 forward against the float32 forward")
     p.add_argument("--out", "--json", dest="out", default=None, help="also write the result here (JSON)")
     return p.parse_args(argv)
 

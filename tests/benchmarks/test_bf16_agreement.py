@@ -93,3 +93,30 @@ def test_ulp_is_the_dtype_spacing():
     assert bf16_agreement.ulp(1.5, torch.bfloat16) == 2.0**-7
     assert bf16_agreement.ulp(-12.0, torch.bfloat16) == 2.0**-4
     assert bf16_agreement.ulp(3.0, torch.float32) == 2.0**-22
+
+
+@pytest.mark.timeout(120)
+def test_fp32_reference_scores_both_sides_against_the_fp32_forward(tiny_llama, capsys):
+    # fp32 engine: its tokens and transformers' forward both are the fp32 forward's argmax
+    result = bf16_agreement.measure(bf16_agreement.parse_args(["--model", str(tiny_llama), "--dtype", "float32",
+                                                               "--random-prompts", "--fp32-reference", *SMALL]))
+    assert result["fp32_reference"] == {"engine_vs_fp32": 1.0, "transformers_bf16_vs_fp32": 1.0}
+    bf16_agreement.report(result)
+    assert "against the float32 forward on the same sequences: the engine 100.00%" in capsys.readouterr().out
+    # altered engine tokens count against the engine only: transformers' argmax is taken on the same context
+    args = bf16_agreement.parse_args(["--model", str(tiny_llama), "--dtype", "float32", "--random-prompts", *SMALL])
+    prompts = bf16_agreement.make_prompts(tiny_llama, NUM_PROMPTS, True, 0, TINY_SHAPE["vocab_size"])
+    outputs = bf16_agreement.engine_generate(tiny_llama, prompts, args)
+    model = bf16_agreement.load_transformers(tiny_llama, torch.float32)
+    assert bf16_agreement.forced_argmax(model, prompts, outputs) == outputs  # greedy: its own argmax everywhere
+    altered = [list(o) for o in outputs]
+    altered[0][-1] = (altered[0][-1] + 1) % TINY_SHAPE["vocab_size"]
+    ref = bf16_agreement.fp32_reference(tiny_llama, model, prompts, altered)
+    assert ref["engine_vs_fp32"] == pytest.approx(1 - 1 / (NUM_PROMPTS * MAX_TOKENS))
+    assert ref["transformers_bf16_vs_fp32"] == 1.0
+
+
+def test_same_share_counts_equal_positions():
+    assert bf16_agreement.same_share([[1, 2], [3]], [[1, 5], [3]]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        bf16_agreement.same_share([[1, 2]], [[1]])
