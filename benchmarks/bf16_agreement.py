@@ -122,11 +122,17 @@ def ulp(x: float, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(x))) if x else torch.finfo(dtype).tiny
 
 
+def forced_logits(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """`model`'s logits (fp32) before every position of `output`, teacher-forced on prompt + output:
+    the logits at position j predict token j + 1."""
+    logits = model(input_ids=torch.tensor([prompt + output])).logits
+    return logits[0, len(prompt) - 1:len(prompt) - 1 + len(output)].float()
+
+
 def forced_argmax(model, prompts: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
     """`model`'s argmax before every position of `outputs`, teacher-forced on prompt + output."""
     with torch.inference_mode():
-        return [model(input_ids=torch.tensor([p + o])).logits[0, len(p) - 1:len(p) - 1 + len(o)].float()
-                .argmax(-1).tolist() for p, o in zip(prompts, outputs)]
+        return [forced_logits(model, p, o).argmax(-1).tolist() for p, o in zip(prompts, outputs)]
 
 
 def same_share(a: list[list[int]], b: list[list[int]]) -> float:
@@ -135,17 +141,18 @@ def same_share(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / max(len(pairs), 1)
 
 
-def fp32_reference(model_path, model, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+def fp32_reference(model_path, scored: dict, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     """How far bf16 is from the model itself: the float32 forward's argmax on the engine's sequence
-    (the same weights, upcast) against the engine's tokens and against transformers' bf16 forward.
-    The bf16 forward's own agreement with float32 bounds what being more exact than it can buy: an
-    engine above that against transformers bf16 must reproduce its rounding, not the model."""
-    bf16 = forced_argmax(model, prompts, outputs)
+    (the same weights, upcast) against the engine's tokens and against transformers' bf16 forward
+    (its argmax as `score` took it). The bf16 forward's own agreement with float32 bounds what being
+    more exact than it can buy: an engine above that against transformers bf16 must reproduce its
+    rounding, not the model."""
     fp32_model = load_transformers(model_path, torch.float32)
     try:
         fp32 = forced_argmax(fp32_model, prompts, outputs)
     finally:
         del fp32_model
+    bf16 = [r["transformers_tokens"] for r in scored["requests"]]
     return {"engine_vs_fp32": same_share(outputs, fp32), "transformers_bf16_vs_fp32": same_share(bf16, fp32)}
 
 
@@ -154,9 +161,7 @@ def score(model, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     requests, disagreements = [], []
     with torch.inference_mode():
         for r, (prompt, output) in enumerate(zip(prompts, outputs)):
-            ids = torch.tensor([prompt + output])
-            # the logits at position j predict token j + 1: those before each generated token
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) - 1 + len(output)].float()
+            logits = forced_logits(model, prompt, output)
             argmax = logits.argmax(-1).tolist()
             first = None
             for i, (want, got) in enumerate(zip(output, argmax)):
@@ -168,7 +173,8 @@ def score(model, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
                                       "gap": top - logits[i, want].item(), "ulp": ulp(top, model.dtype)})
             agree = sum(w == g for w, g in zip(output, argmax))
             requests.append({"prompt_len": len(prompt), "positions": len(output), "agreements": agree,
-                             "agreement": agree / len(output) if output else 1.0, "first_disagreement": first})
+                             "agreement": agree / len(output) if output else 1.0, "first_disagreement": first,
+                             "transformers_tokens": argmax})
     positions = sum(r["positions"] for r in requests)
     agreements = sum(r["agreements"] for r in requests)
     gaps = [d["gap"] for d in disagreements]
@@ -205,7 +211,7 @@ def measure(args) -> dict:
         base = score(model, prompts, transformers_generate(model, prompts, args.max_tokens))
         result["transformers_baseline"] = {k: v for k, v in base.items() if k not in ("requests", "disagreements")}
     if args.fp32_reference:
-        result["fp32_reference"] = fp32_reference(model_path, model, prompts, outputs)
+        result["fp32_reference"] = fp32_reference(model_path, result, prompts, outputs)
     # an exact tie is the engine's token among transformers' maxima; argmax takes the lowest id
     result["agreement_or_tie"] = (result["agreements"] + result["exact_ties"]) / max(result["positions"], 1)
     return result

@@ -111,7 +111,7 @@ def test_fp32_reference_scores_both_sides_against_the_fp32_forward(tiny_llama, c
     assert bf16_agreement.forced_argmax(model, prompts, outputs) == outputs  # greedy: its own argmax everywhere
     altered = [list(o) for o in outputs]
     altered[0][-1] = (altered[0][-1] + 1) % TINY_SHAPE["vocab_size"]
-    ref = bf16_agreement.fp32_reference(tiny_llama, model, prompts, altered)
+    ref = bf16_agreement.fp32_reference(tiny_llama, bf16_agreement.score(model, prompts, altered), prompts, altered)
     assert ref["engine_vs_fp32"] == pytest.approx(1 - 1 / (NUM_PROMPTS * MAX_TOKENS))
     assert ref["transformers_bf16_vs_fp32"] == 1.0
 
