@@ -174,7 +174,7 @@ class ModelRunner:
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         hidden = self.model(ids, torch.arange(num_tokens, device=dev), meta, caches)
-        self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):]).float()  # the Sampler's copy
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - scratch.numel() * scratch.element_size()
         del scratch, caches, hidden
@@ -257,7 +257,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, step: Step, start: float | None = None) -> torch.Tensor | None:
         """What every rank does with a step: move blocks, run the forward, and compute the logits
-        when `step.compute_logits` (full-vocab [S, vocab] float32 on every rank; rank 0 samples).
+        when `step.compute_logits` (full-vocab [S, vocab] in the lm_head's dtype on every rank; rank 0 samples).
         Records `timings.prepare` (since `start`, default now) and `timings.forward`."""
         start = perf_counter() if start is None else start
         inputs = self.load_step(step)

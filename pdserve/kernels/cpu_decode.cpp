@@ -382,12 +382,26 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       for (int64_t x = 0; x < H * D; ++x) qf[x] = load(qx + x) * scale;
       attend_item<T>(qf.data(), blocks.data(), item_start[it - begin], item_start[it - begin + 1], n, g, scores,
                      m.data() + it * H, l.data() + it * H, acc.data() + it * H * D);
+      const int64_t x = owner[it];
+      if (first[x + 1] - first[x] == 1) {  // the sequence's only item: its output now (the merge's, with one term)
+        for (int64_t h = 0; h < H; ++h) {
+          const float* a = acc.data() + (it * H + h) * D;
+          const float denom = l[it * H + h];
+          T* o = op + rp[x] * out_row + h * D;
+          for (int64_t d = 0; d < D; ++d) store(o + d, a[d] / denom);
+        }
+      }
     }
   });
-  // Merge each sequence's chunks: out_h = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.
-  at::parallel_for(0, num_seqs, 16, [&](int64_t begin, int64_t end) {
+  // Merge the chunks of each sequence split in several: out_h = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.
+  std::vector<int64_t> split;
+  for (int64_t x = 0; x < num_seqs; ++x)
+    if (first[x + 1] - first[x] > 1) split.push_back(x);
+  if (split.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(split.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(D);
-    for (int64_t x = begin; x < end; ++x) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t x = split[j];
       for (int64_t h = 0; h < H; ++h) {
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t it = first[x]; it < first[x + 1]; ++it) top = std::max(top, m[it * H + h]);
@@ -704,6 +718,89 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t np
   }
 }
 
+// ---- greedy sampling: each row's argmax ------------------------------------------------------
+// The first index of a row's largest value, or of its first NaN where it has one, as torch.argmax
+// and numpy's argmax give. bf16 logits are compared as the floats they are (exact), so the lm_head's
+// bf16 output needs no float32 copy first. A piece of a row is read in runs of kArgRun values: a
+// vertical max over the run and one horizontal max; only a run that holds a new best (rare after the
+// first few) is looked at again for its first index, and one with a NaN or an infinity is scanned
+// value by value.
+constexpr int64_t kArgRun = 256;
+
+struct ArgBest {
+  float value = -std::numeric_limits<float>::infinity();
+  int64_t index = -1;  // -1: nothing seen yet
+  bool nan = false;
+};
+
+template <typename T>
+inline void argmax_scalar(const T* x, int64_t i, int64_t e, ArgBest& best) {
+  for (; i < e && !best.nan; ++i) {
+    const float v = load(x + i);
+    if (std::isnan(v)) best = {v, i, true};
+    else if (best.index < 0 || v > best.value) best.value = v, best.index = i;
+  }
+}
+
+template <typename L, typename T>
+inline void argmax_runs(const T* x, int64_t& i, int64_t e, ArgBest& best) {
+  float lanes[L::W];
+  for (; i + kArgRun <= e && !best.nan; i += kArgRun) {
+    typename L::V top = L::load(x + i), odd = L::zero();
+    for (int64_t j = i; j < i + kArgRun; j += L::W) {
+      const typename L::V v = L::load(x + j);
+      top = L::max(top, v);
+      odd = L::add(odd, L::sub(v, v));  // NaN where v is a NaN or an infinity, else 0
+    }
+    if (std::isnan(L::sum(odd))) {
+      argmax_scalar(x, i, i + kArgRun, best);
+      continue;
+    }
+    L::store(lanes, top);
+    float m = lanes[0];
+    for (int k = 1; k < L::W; ++k) m = std::max(m, lanes[k]);
+    if (best.index >= 0 && !(m > best.value)) continue;
+    int64_t j = i;
+    while (load(x + j) != m) ++j;
+    best.value = m, best.index = j;
+  }
+}
+
+template <typename T>
+ArgBest argmax_piece(const T* x, int64_t b, int64_t e) {
+  ArgBest best;
+  int64_t i = b;
+  each_width([&](auto lanes) { argmax_runs<decltype(lanes)>(x, i, e, best); });
+  argmax_scalar(x, i, e, best);
+  return best;
+}
+
+template <typename T>
+void argmax_rows_impl(const T* x, int64_t stride, int64_t rows, int64_t n, int64_t* out) {
+  if (rows == 0) return;
+  // a row in `parts` pieces where there are fewer rows than threads; kArgGrain values at least a
+  // thread (one row of a 49,152-word vocabulary stays on one: waking the others costs more)
+  constexpr int64_t kArgGrain = 131072;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min((threads + rows - 1) / rows, n / (kArgGrain / 2)));
+  const int64_t piece = (n + parts - 1) / parts;
+  std::vector<ArgBest> found(rows * parts);
+  at::parallel_for(0, rows * parts, std::max<int64_t>(1, kArgGrain / piece), [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t r = k / parts, b = (k % parts) * piece;
+      found[k] = argmax_piece(x + r * stride, b, std::min(n, b + piece));
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {  // the pieces in order: a NaN ends the row, a tie keeps the first
+    ArgBest best = found[r * parts];
+    for (int64_t k = 1; k < parts && !best.nan; ++k) {
+      const ArgBest& next = found[r * parts + k];
+      if (next.index >= 0 && (next.nan || next.value > best.value)) best = next;
+    }
+    out[r] = best.index;
+  }
+}
+
 }  // namespace
 
 // residual += delta (rounded to residual's dtype; delta may be None), then RMSNorm of the new
@@ -836,6 +933,17 @@ torch::Tensor gemm_panels(torch::Tensor x, torch::Tensor panels, int64_t out_fea
   return y;
 }
 
+// Each row's argmax of [S, V] float32 or bfloat16 logits, [S] int64 (engine/sampler.py: argmax_rows).
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_rows(logits, "argmax_rows");
+  TORCH_CHECK(logits.size(1) > 0, "argmax_rows: rows of at least one value");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  torch::Tensor out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  if (is_bf16(logits)) argmax_rows_impl(ptr<uint16_t>(logits), stride, rows, n, out.data_ptr<int64_t>());
+  else argmax_rows_impl(ptr<float>(logits), stride, rows, n, out.data_ptr<int64_t>());
+  return out;
+}
+
 // silu(gate) * up of [T, 2I] rows (gate | up); returns [T, I] in the input's dtype.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_mul");
@@ -942,6 +1050,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (CPU)");
   m.def("rope_store_kv", &rope_store_kv, "RoPE on q and k, k and v stored in the paged caches (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, first on ties, a NaN's where there is one (CPU)");
   m.def("pack_panels", &pack_panels, "a bf16 or fp32 weight packed for gemm_panels (CPU)");
   m.def("gemm_panels", &gemm_panels, "x W^T + b on a packed bf16 or fp32 weight, a few rows (CPU)");
   m.def("decode_layers", &decode_layers, "a step of decodes through decoder layers, in one call (CPU)");

@@ -18,6 +18,7 @@ from pdserve.engine.sampler import (
     seeded_uniform,
 )
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels import cpu_native
 
 VOCAB = 50
 
@@ -105,10 +106,12 @@ def test_greedy_rows_take_the_argmax(dtype):
     assert out.logprobs == [None] * 8
 
 
-def test_argmax_rows_matches_torch_on_ties_nan_inf_and_strided_rows():
-    # numpy's argmax on the CPU (torch's last-dim argmax is slow there) must pick what torch's
-    # picks: the first maximum on ties, a NaN where a row has one, any index of an all -inf row
-    # the same one.
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_argmax_rows_matches_torch_on_ties_nan_inf_and_strided_rows(native, monkeypatch):
+    # On the CPU the compiled op (float32 or bf16 contiguous rows) or numpy's argmax (the rest, or
+    # no compiled ops: torch's last-dim argmax is slow there) must pick what torch's picks: the
+    # first maximum on ties, a NaN where a row has one, any index of an all -inf row the same one.
+    monkeypatch.setenv(cpu_native.NATIVE_ENV, native)
     g = torch.Generator().manual_seed(0)
     logits = torch.randint(-3, 3, (64, 40), generator=g).float()  # many ties
     logits[3, 5] = logits[3, 30] = float("nan")
@@ -118,8 +121,9 @@ def test_argmax_rows_matches_torch_on_ties_nan_inf_and_strided_rows():
     for case in (logits, logits[:, ::3], logits.t().contiguous().t(), logits.double(), logits[:0]):
         got = argmax_rows(case)
         assert got.dtype == torch.int64 and got.tolist() == case.argmax(-1).tolist()
-    half = logits.to(torch.bfloat16)  # not numpy's: torch's own argmax
+    half = logits.to(torch.bfloat16)
     assert argmax_rows(half).tolist() == half.argmax(-1).tolist()
+    assert argmax_rows(half[:, 1::2]).tolist() == half[:, 1::2].argmax(-1).tolist()
 
 
 def test_greedy_rows_inside_a_mixed_batch_take_the_argmax():

@@ -1,7 +1,8 @@
 """The compiled CPU ops of a decoder layer (kernels/cpu_decode.cpp: add_rms_norm, rope_store_kv,
 silu_mul) against the torch code they replace (engine/models/llama.py): RoPE, the K/V store and the
 residual add bit for bit; RMSNorm and SiLU (summation order, a polynomial exp) within a few ulps.
-And a whole model's forward with the ops against the same model without them."""
+Greedy sampling's argmax_rows against torch.argmax. And a whole model's forward with the ops against
+the same model without them."""
 
 from __future__ import annotations
 
@@ -157,6 +158,65 @@ def test_silu_mul_against_torch(ops, dtype, width):
     # fp32: the polynomial exp's ~1 ulp, through x / (1 + e) and the product
     assert ulps(got, want, dtype) <= (1 if dtype == torch.bfloat16 else 8)
     assert ops.silu_mul(gate_up[:0]).shape == (0, width)
+
+
+# ---- greedy sampling's argmax -------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width"), [(1, 5), (3, 256), (16, 300), (4, 49159), (1, 140000), (2, 200003)])
+def test_argmax_rows_is_torchs_argmax(ops, dtype, rows, width):
+    """The first maximum on ties, the first NaN where a row has one, an all -inf row's first index;
+    values placed in different runs of 256 and in different pieces of a row split over threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)  # rows of 140,000 values and more are split in pieces
+    try:
+        g = torch.Generator().manual_seed(rows * width)
+        for trial in range(6):
+            x = torch.randint(-3, 3, (rows, width), generator=g).float() if trial % 2 else torch.randn(rows, width, generator=g)
+            at = lambda: int(torch.randint(0, width, (1,), generator=g))  # noqa: E731
+            for r in range(rows):
+                kind = (r + trial) % 6
+                if kind == 0:
+                    x[r, at()] = float("nan")
+                    x[r, at()] = float("nan")
+                elif kind == 1:
+                    x[r, at()] = float("inf")
+                elif kind == 2:
+                    x[r] = float("-inf")
+                elif kind == 3:
+                    x[r, at()] = x[r, at()] = 50.0  # a tie of the largest
+                elif kind == 4:
+                    x[r, at()] = float("-inf")
+            case = x.to(dtype)
+            got = ops.argmax_rows(case)
+            assert got.dtype == torch.int64 and got.tolist() == case.float().argmax(-1).tolist(), (trial, r)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_argmax_rows_across_pieces(ops):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        x = torch.zeros(3, 200000)
+        x[0, 10], x[0, 150000] = 5.0, 5.0  # the same maximum in the first and the last piece: the first
+        x[1, 10], x[1, 150000] = 5.0, float("nan")  # a NaN in a later piece beats a larger value before it
+        x[2, 120000], x[2, 190000] = float("nan"), float("nan")
+        assert ops.argmax_rows(x).tolist() == [10, 150000, 120000] == x.argmax(-1).tolist()
+        assert ops.argmax_rows(torch.tensor([[-0.0, 0.0, -1.0], [0.0, -0.0, -1.0]])).tolist() == [0, 0]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_argmax_rows_refuses_bad_inputs(ops):
+    assert ops.argmax_rows(torch.zeros(0, 7)).shape == (0,)
+    with pytest.raises(RuntimeError, match="at least one value"):
+        ops.argmax_rows(torch.zeros(3, 0))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.argmax_rows(torch.zeros(3, 4).half())
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        ops.argmax_rows(torch.zeros(8, 4)[:, ::2])
+    with pytest.raises(RuntimeError, match="2-D"):
+        ops.argmax_rows(torch.zeros(8))
 
 
 # ---- a whole forward ----------------------------------------------------------------------------

@@ -379,8 +379,10 @@ class LlamaForCausalLM(nn.Module):
         self._compiled.clear()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocab float32 logits [S, vocab] on every rank (the lm_head gathers the vocab shards)."""
-        return self.lm_head(hidden).float()
+        """Full-vocab logits [S, vocab] on every rank (the lm_head gathers the vocab shards), in the
+        lm_head's dtype: a greedy step's argmax reads a bf16 model's as they are (sampler.argmax_rows),
+        and the Sampler upcasts them to float32 before anything else."""
+        return self.lm_head(hidden)
 
     # ---- weights --------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
