@@ -32,11 +32,13 @@ def test_the_variants_take_turns_and_both_are_reported(tmp_path, capsys, monkeyp
         assert r["kernel_ms"] > 0 and r["torch_ms"] > 0 and r["ratio"] == pytest.approx(r["kernel_ms"] / r["torch_ms"])
     # every layer of every kernel step (the warm-up one included) called each op; no torch step did.
     # The layer ops also ran in each batch size's one prefill step (before the timed steps, ops on),
-    # where decode attention has no row to compute.
+    # where decode attention has no row to compute; each of those steps sampled greedily by the
+    # compiled argmax.
     kernel_steps = 2 * (steps + 1)
     forwards = kernel_steps + 2
     layers = TINY_SHAPE["num_hidden_layers"]
     assert counting.calls == {"decode_attention": kernel_steps * layers, "rope_store_kv": forwards * layers,
-                              "silu_mul": forwards * layers, "add_rms_norm": forwards * (2 * layers + 1)}
+                              "silu_mul": forwards * layers, "add_rms_norm": forwards * (2 * layers + 1),
+                              "argmax_rows": forwards}
     assert cpu_native.NATIVE_ENV not in os.environ
     assert "kernel" in capsys.readouterr().out
