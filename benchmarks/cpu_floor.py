@@ -52,6 +52,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.decoding import start_decodes
+
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 MAX_BATCHED_TOKENS = 2048  # the engine's default
 
@@ -248,13 +250,8 @@ def engine_step_ms(args, batch: int, floor_calls: list | None = None,
               max_model_len=args.context_len + max_tokens + 1)
     try:
         engine = llm.engine
-        g = torch.Generator().manual_seed(batch)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request(torch.randint(engine.model_config.vocab_size, (args.context_len,), generator=g).tolist(),
-                               params)
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()  # prefill every prompt
+        start_decodes(engine, batch, args.context_len, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                      ignore_eos=True), seed=batch)
         times, ratios, stream_ratios = [], [], []
         for i in range(args.warmup + args.repeats):
             floor_s = _run_calls(floor_calls) if floor_calls is not None else None

@@ -17,8 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
+from benchmarks.decoding import start_decodes
 from pdserve.kernels import cpu_native
 
 
@@ -32,13 +31,8 @@ def measure(args: argparse.Namespace, batch: int) -> dict:
               skip_tokenizer_init=True, max_model_len=max_len, num_kv_blocks=batch * (max_len // 16 + 2))
     try:
         engine = llm.engine
-        g = torch.Generator().manual_seed(batch)
-        params = SamplingParams(max_tokens=2 * args.steps + 8, temperature=0, ignore_eos=True)
-        for _ in range(batch):
-            engine.add_request(torch.randint(engine.model_config.vocab_size, (args.context_len,), generator=g).tolist(),
-                               params)
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()  # prefill every prompt
+        start_decodes(engine, batch, args.context_len,
+                      SamplingParams(max_tokens=2 * args.steps + 8, temperature=0, ignore_eos=True), seed=batch)
         times: dict[str, list[float]] = {"kernel": [], "torch": []}
         for i in range(2 * args.steps + 2):
             variant = ("kernel", "torch")[i % 2]

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from benchmarks.decoding import start_decodes
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,13 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         "all": [pack(w, False) for w in fp32],
     }
     print({k: sum(x is not None for x in v) for k, v in variants.items()}, "of", len(layers), "layers hold a copy")
-    g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=3 * args.steps + 20, temperature=0, ignore_eos=True)
-    for _ in range(args.batch):
-        engine.add_request(torch.randint(engine.model_config.vocab_size, (args.context_len,), generator=g).tolist(),
-                           params)
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-        engine.step()
+    start_decodes(engine, args.batch, args.context_len,
+                  SamplingParams(max_tokens=3 * args.steps + 20, temperature=0, ignore_eos=True))
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     for step in range(args.steps + 1):  # the first round warms every variant up

@@ -356,6 +356,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   for (int64_t x = 0; x < num_seqs; ++x)
     for (int64_t it = first[x]; it < first[x + 1]; ++it) owner[it] = x;
   std::vector<float> m(num_items * H), l(num_items * H), acc(num_items * H * D);
+  const auto store_head = [&](int64_t x, int64_t h, const float* sum, float denom) {  // out of sequence x, head h
+    T* o = op + rp[x] * out_row + h * D;
+    for (int64_t d = 0; d < D; ++d) store(o + d, sum[d] / denom);
+  };
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     // The thread's blocks in the order it reads them, so the prefetch runs ahead across items.
     std::vector<BlockRef<T>> blocks;
@@ -378,19 +382,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     }
     std::vector<float> qf(H * D), scores;
     for (int64_t it = begin; it < end; ++it) {
-      const T* qx = qp + rp[owner[it]] * q_row;
-      for (int64_t x = 0; x < H * D; ++x) qf[x] = load(qx + x) * scale;
+      const int64_t x = owner[it];
+      const T* qx = qp + rp[x] * q_row;
+      for (int64_t e = 0; e < H * D; ++e) qf[e] = load(qx + e) * scale;
       attend_item<T>(qf.data(), blocks.data(), item_start[it - begin], item_start[it - begin + 1], n, g, scores,
                      m.data() + it * H, l.data() + it * H, acc.data() + it * H * D);
-      const int64_t x = owner[it];
-      if (first[x + 1] - first[x] == 1) {  // the sequence's only item: its output now (the merge's, with one term)
-        for (int64_t h = 0; h < H; ++h) {
-          const float* a = acc.data() + (it * H + h) * D;
-          const float denom = l[it * H + h];
-          T* o = op + rp[x] * out_row + h * D;
-          for (int64_t d = 0; d < D; ++d) store(o + d, a[d] / denom);
-        }
-      }
+      if (first[x + 1] - first[x] == 1)  // the sequence's only item: its output now (the merge's, with one term)
+        for (int64_t h = 0; h < H; ++h) store_head(x, h, acc.data() + (it * H + h) * D, l[it * H + h]);
     }
   });
   // Merge the chunks of each sequence split in several: out_h = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.
@@ -413,8 +411,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
           const float* a = acc.data() + (it * H + h) * D;
           for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
         }
-        T* o = op + rp[x] * out_row + h * D;
-        for (int64_t d = 0; d < D; ++d) store(o + d, merged[d] / denom);
+        store_head(x, h, merged.data(), denom);
       }
     }
   });
@@ -727,10 +724,10 @@ void panel_all_rows(const float* x, int64_t M, int64_t K, const W* w, int64_t np
 // value by value.
 constexpr int64_t kArgRun = 256;
 
-struct ArgBest {
-  float value = -std::numeric_limits<float>::infinity();
-  int64_t index = -1;  // -1: nothing seen yet
-  bool nan = false;
+struct ArgBest {  // a piece starts at its first index with -inf: an all -inf piece keeps it
+  float value;
+  int64_t index;
+  bool nan;
 };
 
 template <typename T>
@@ -738,7 +735,7 @@ inline void argmax_scalar(const T* x, int64_t i, int64_t e, ArgBest& best) {
   for (; i < e && !best.nan; ++i) {
     const float v = load(x + i);
     if (std::isnan(v)) best = {v, i, true};
-    else if (best.index < 0 || v > best.value) best.value = v, best.index = i;
+    else if (v > best.value) best.value = v, best.index = i;
   }
 }
 
@@ -759,7 +756,7 @@ inline void argmax_runs(const T* x, int64_t& i, int64_t e, ArgBest& best) {
     L::store(lanes, top);
     float m = lanes[0];
     for (int k = 1; k < L::W; ++k) m = std::max(m, lanes[k]);
-    if (best.index >= 0 && !(m > best.value)) continue;
+    if (!(m > best.value)) continue;
     int64_t j = i;
     while (load(x + j) != m) ++j;
     best.value = m, best.index = j;
@@ -768,7 +765,7 @@ inline void argmax_runs(const T* x, int64_t& i, int64_t e, ArgBest& best) {
 
 template <typename T>
 ArgBest argmax_piece(const T* x, int64_t b, int64_t e) {
-  ArgBest best;
+  ArgBest best{-std::numeric_limits<float>::infinity(), b, false};
   int64_t i = b;
   each_width([&](auto lanes) { argmax_runs<decltype(lanes)>(x, i, e, best); });
   argmax_scalar(x, i, e, best);
@@ -795,7 +792,7 @@ void argmax_rows_impl(const T* x, int64_t stride, int64_t rows, int64_t n, int64
     ArgBest best = found[r * parts];
     for (int64_t k = 1; k < parts && !best.nan; ++k) {
       const ArgBest& next = found[r * parts + k];
-      if (next.index >= 0 && (next.nan || next.value > best.value)) best = next;
+      if (next.nan || next.value > best.value) best = next;
     }
     out[r] = best.index;
   }

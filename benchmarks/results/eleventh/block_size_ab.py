@@ -6,10 +6,13 @@
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pdserve.engine import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: benchmarks
+from benchmarks.decoding import start_decodes  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 batch, ctx, sizes = int(sys.argv[1]), int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
 torch.set_num_threads(2)
@@ -18,12 +21,7 @@ for bs in sizes:
     llm = LLM("smollm2", dtype="bfloat16", num_threads=2, block_size=bs, skip_tokenizer_init=True, max_num_seqs=batch,
               num_kv_blocks=batch * ((ctx + 400) // bs + 2), max_model_len=ctx + 400)
     engine = llm.engine
-    g = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=390, temperature=0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(49152, (ctx,), generator=g).tolist(), params)
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-        engine.step()
+    start_decodes(engine, batch, ctx, SamplingParams(max_tokens=390, temperature=0, ignore_eos=True))
     engines[bs] = (llm, engine)
 times = {bs: [] for bs in sizes}
 for i in range(30 * len(sizes)):  # 5 steps of each in turn, the first of each 5 not timed

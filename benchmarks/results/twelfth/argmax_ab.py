@@ -9,11 +9,14 @@ the sample phase's medians.
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-import pdserve.engine.model_runner as model_runner
-from pdserve.engine import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: benchmarks
+import pdserve.engine.model_runner as model_runner  # noqa: E402
+from benchmarks.decoding import start_decodes  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 batch, ctx = int(sys.argv[1]), int(sys.argv[2])
 torch.set_num_threads(2)
@@ -21,12 +24,7 @@ llm = LLM("smollm2", dtype="bfloat16", num_threads=2, block_size=16, skip_tokeni
           num_kv_blocks=batch * (ctx // 16 + 30), max_model_len=ctx + 450)
 engine = llm.engine
 model = engine.runner.model
-g = torch.Generator().manual_seed(0)
-params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-for _ in range(batch):
-    engine.add_request(torch.randint(49152, (ctx,), generator=g).tolist(), params)
-while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-    engine.step()
+start_decodes(engine, batch, ctx, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
 new = (model.compute_logits, model_runner.argmax_rows)
 
 
