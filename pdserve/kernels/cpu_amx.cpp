@@ -12,7 +12,9 @@
 // A tiles of 16 rows x 32 k (a copy zero-padded to whole tiles when M or K is not). One work item
 // is a group of panels: with up to 16 rows, four panels against one A tile (four C tiles); with
 // more, two panels against two A tiles (2 x 2 C tiles) per pair of row blocks, the group's weights
-// read from memory for the first pair and from L2 for the next. Each output's sum runs in k order
+// read from memory for the first pair and from L2 for the next. A block's sums leave the tiles
+// through a staging buffer and are stored (rounded, plus the bias) by the vector units during the
+// next block's tile steps, a few rows a step (Epilogue). Each output's sum runs in k order
 // within a tile's 32 and tile by tile, whatever M: a row gets the same bits in any batch.
 //
 // Compiled with target attributes (no -mamx flags for the rest of the library); amx_available()
@@ -42,72 +44,6 @@ namespace {
 #define PDSERVE_AVX512 1
 #include "cpu_lanes.h"
 #define AMX_TARGET
-
-// C tiles 0..NP-1 = one A block (16 rows at a, lda bytes apart) x NP panels (w, `stride` bf16 apart).
-// Tile 4 holds A; B rotates through 5, 6, 7.
-template <int NP>
-AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
-                          float* c, int64_t ldc) {
-  _tile_zero(0);
-  if (NP > 1) _tile_zero(1);
-  if (NP > 2) _tile_zero(2);
-  if (NP > 3) _tile_zero(3);
-  for (int64_t t = 0; t < KT; ++t) {
-    _tile_loadd(4, a + t * kDepth, lda);
-    const uint16_t* b = w + t * kTile;
-    _tile_loadd(5, b, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (NP > 1) {
-      _tile_loadd(6, b + stride, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if (NP > 2) {
-      _tile_loadd(7, b + 2 * stride, 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if (NP > 3) {
-      _tile_loadd(5, b + 3 * stride, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-  }
-  _tile_stored(0, c, ldc);
-  if (NP > 1) _tile_stored(1, c + kCols, ldc);
-  if (NP > 2) _tile_stored(2, c + 2 * kCols, ldc);
-  if (NP > 3) _tile_stored(3, c + 3 * kCols, ldc);
-}
-
-// C tiles 0..3 = two A blocks (a, a + 16 rows) x NP (1 or 2) panels: A in 4, 5; B in 6, 7.
-template <int NP>
-AMX_TARGET void tiles_2xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
-                          float* c, int64_t ldc) {
-  const uint16_t* a1 = a + kRows * (lda / 2);
-  _tile_zero(0);
-  _tile_zero(2);
-  if (NP > 1) {
-    _tile_zero(1);
-    _tile_zero(3);
-  }
-  for (int64_t t = 0; t < KT; ++t) {
-    _tile_loadd(4, a + t * kDepth, lda);
-    _tile_loadd(5, a1 + t * kDepth, lda);
-    const uint16_t* b = w + t * kTile;
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    if (NP > 1) {
-      _tile_loadd(7, b + stride, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  float* c1 = c + kRows * (ldc / 4);
-  _tile_stored(0, c, ldc);
-  _tile_stored(2, c1, ldc);
-  if (NP > 1) {
-    _tile_stored(1, c + kCols, ldc);
-    _tile_stored(3, c1 + kCols, ldc);
-  }
-}
 
 // y[r, n] for rows [0, rows) and columns [0, cols) of the staged sums c (ldc floats a row), plus
 // the bias, rounded to bf16 (nearest even) or kept fp32.
@@ -146,6 +82,99 @@ AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64
     }
 }
 
+// A block's staged sums on their way to y: write_rows (or write_silu_rows) a few rows at a time,
+// called between the tile steps of the next block, so the vector units store one block while the
+// tile unit multiplies the next (a block's stores after its products left the tile unit idle: a
+// third of a prefill-sized GEMM's time, benchmarks/RESULTS.md, tenth part). The same stores.
+struct Epilogue {
+  const float* c = nullptr;
+  int64_t ldc = 0, rows = 0, next = 0, cols = 0, per_step = 1;
+  const float* bias = nullptr;
+  void* y = nullptr;  // row 0 of the block, column col0
+  int64_t ldy = 0;
+  bool out_bf16 = true, silu = false;
+  AMX_TARGET void run(int64_t upto) {
+    for (; next < upto; ++next) {
+      if (silu) {
+        write_silu_rows(c + next * ldc, ldc, 1, cols, static_cast<uint16_t*>(y) + next * ldy, ldy);
+      } else {
+        char* yr = static_cast<char*>(y) + next * ldy * (out_bf16 ? 2 : 4);
+        write_rows(c + next * ldc, ldc, 1, cols, bias, yr, ldy, out_bf16);
+      }
+    }
+  }
+  AMX_TARGET void step() { run(std::min(rows, next + per_step)); }
+  AMX_TARGET void finish() { run(rows); }
+};
+
+// C tiles 0..NP-1 = one A block (16 rows at a, lda bytes apart) x NP panels (w, `stride` bf16 apart).
+// Tile 4 holds A; B rotates through 5, 6, 7.
+template <int NP>
+AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
+                          float* c, int64_t ldc, Epilogue* prev) {
+  _tile_zero(0);
+  if (NP > 1) _tile_zero(1);
+  if (NP > 2) _tile_zero(2);
+  if (NP > 3) _tile_zero(3);
+  for (int64_t t = 0; t < KT; ++t) {
+    _tile_loadd(4, a + t * kDepth, lda);
+    const uint16_t* b = w + t * kTile;
+    _tile_loadd(5, b, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (prev != nullptr) prev->step();
+    if (NP > 1) {
+      _tile_loadd(6, b + stride, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (NP > 2) {
+      _tile_loadd(7, b + 2 * stride, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (NP > 3) {
+      _tile_loadd(5, b + 3 * stride, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c, ldc);
+  if (NP > 1) _tile_stored(1, c + kCols, ldc);
+  if (NP > 2) _tile_stored(2, c + 2 * kCols, ldc);
+  if (NP > 3) _tile_stored(3, c + 3 * kCols, ldc);
+}
+
+// C tiles 0..3 = two A blocks (a, a + 16 rows) x NP (1 or 2) panels: A in 4, 5; B in 6, 7.
+template <int NP>
+AMX_TARGET void tiles_2xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
+                          float* c, int64_t ldc, Epilogue* prev) {
+  const uint16_t* a1 = a + kRows * (lda / 2);
+  _tile_zero(0);
+  _tile_zero(2);
+  if (NP > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < KT; ++t) {
+    _tile_loadd(4, a + t * kDepth, lda);
+    _tile_loadd(5, a1 + t * kDepth, lda);
+    const uint16_t* b = w + t * kTile;
+    _tile_loadd(6, b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (prev != nullptr) prev->step();
+    if (NP > 1) {
+      _tile_loadd(7, b + stride, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  float* c1 = c + kRows * (ldc / 4);
+  _tile_stored(0, c, ldc);
+  _tile_stored(2, c1, ldc);
+  if (NP > 1) {
+    _tile_stored(1, c + kCols, ldc);
+    _tile_stored(3, c1 + kCols, ldc);
+  }
+}
+
 // Panels [p0, p1) of the output for every row: the work of one thread. `silu`: the panels are
 // (gate, up) pairs and y is their silu(gate) * up (write_silu_rows), N / 2 wide.
 AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint16_t* w, int64_t KT, int64_t p0,
@@ -154,8 +183,10 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   const int64_t stride = KT * kTile;  // bf16 from one panel to the next
   const int64_t blocks = (M + kRows - 1) / kRows;
   const int64_t group = blocks == 1 ? 4 : 2;
-  alignas(64) float c[2 * kRows * 4 * kCols];
+  alignas(64) float staged[2][2 * kRows * 4 * kCols];  // one block's sums being stored, the next one's being made
+  int turn = 0;
   const int64_t ldc = group * kCols;  // floats
+  Epilogue last;  // the block before this one: its rows stored during this one's tile steps
   for (int64_t p = p0; p < p1; p += group) {
     const int64_t np = std::min(group, p1 - p);
     const uint16_t* wp = w + p * stride;
@@ -163,27 +194,34 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
     for (int64_t b = 0; b < blocks; b += 2) {
       const uint16_t* ab = a + b * kRows * (lda / 2);
       const bool pair = b + 1 < blocks;
+      float* c = staged[turn];
+      Epilogue* prev = last.next < last.rows ? &last : nullptr;
       if (pair) {
-        if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4);
-        else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4);
+        if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, prev);
+        else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, prev);
       } else {
         switch (np) {
-          case 4: tiles_1xN<4>(ab, lda, wp, stride, KT, c, ldc * 4); break;
-          case 3: tiles_1xN<3>(ab, lda, wp, stride, KT, c, ldc * 4); break;
-          case 2: tiles_1xN<2>(ab, lda, wp, stride, KT, c, ldc * 4); break;
-          default: tiles_1xN<1>(ab, lda, wp, stride, KT, c, ldc * 4); break;
+          case 4: tiles_1xN<4>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
+          case 3: tiles_1xN<3>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
+          case 2: tiles_1xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
+          default: tiles_1xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
         }
       }
+      last.finish();
       const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
+      last.c = c, last.ldc = ldc, last.rows = rows, last.next = 0, last.per_step = (rows + KT - 1) / KT;
+      last.silu = silu, last.out_bf16 = out_bf16;
       if (silu) {
-        write_silu_rows(c, ldc, rows, np / 2, static_cast<uint16_t*>(y) + r0 * (N / 2) + col0 / 2, N / 2);
-        continue;
+        last.cols = np / 2, last.bias = nullptr, last.ldy = N / 2;  // cols: (gate, up) panel pairs
+        last.y = static_cast<uint16_t*>(y) + r0 * (N / 2) + col0 / 2;
+      } else {
+        last.cols = cols, last.bias = bias == nullptr ? nullptr : bias + col0, last.ldy = N;
+        last.y = static_cast<char*>(y) + (r0 * N + col0) * (out_bf16 ? 2 : 4);
       }
-      const int64_t ldy = N;
-      char* yb = static_cast<char*>(y) + (r0 * ldy + col0) * (out_bf16 ? 2 : 4);
-      write_rows(c, ldc, rows, cols, bias == nullptr ? nullptr : bias + col0, yb, ldy, out_bf16);
+      turn ^= 1;
     }
   }
+  last.finish();
   _tile_release();
 }
 

@@ -37,12 +37,14 @@ def test_amx_available_answers_without_amx_too():
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 16, 32), (1, 960, 576), (2, 17, 24), (3, 15, 40), (7, 1, 9), (16, 64, 64),
                           (17, 100, 96), (31, 33, 576), (32, 48, 64), (33, 80, 100), (64, 3 * 16 + 5, 160),
-                          (65, 16, 32), (130, 40, 96), (5, 16 * 9 + 5, 1536)])
+                          (65, 16, 32), (130, 40, 96), (5, 16 * 9 + 5, 1536),
+                          (512, 16 * 3 + 5, 1536), (300, 96, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_bf16", [True, False])
 def test_the_tile_gemm_against_a_float64_product(ops, rows, out_features, in_features, with_bias, out_bf16):
     # rows around the 16-row tiles and their pairs, widths around the 16-column panels and the
-    # 4- and 2-panel groups, depths around the 32 of a tile
+    # 4- and 2-panel groups, depths around the 32 of a tile; a prefill's rows, whose blocks are
+    # stored during the next block's tile steps (cpu_amx.cpp: Epilogue), one row a step at 48 k tiles
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
