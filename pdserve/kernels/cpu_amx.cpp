@@ -12,10 +12,11 @@
 // A tiles of 16 rows x 32 k (a copy zero-padded to whole tiles when M or K is not). One work item
 // is a group of panels: with up to 16 rows, four panels against one A tile (four C tiles); with
 // more, two panels against two A tiles (2 x 2 C tiles) per pair of row blocks, the group's weights
-// read from memory for the first pair and from L2 for the next. A block's sums leave the tiles
-// through a staging buffer and are stored (rounded, plus the bias) by the vector units during the
-// next block's tile steps, a few rows a step (Epilogue). Each output's sum runs in k order
-// within a tile's 32 and tile by tile, whatever M: a row gets the same bits in any batch.
+// asked into L2 during the group before and read from there by every pair. A block's sums leave
+// the tiles through a staging buffer and are stored (rounded, plus the bias) by the vector units
+// during the next block's tile steps, a few rows a step (Epilogue), and those steps ask ahead for
+// the output lines the next stores write (in a model's step another core's op last held them).
+// Each output's sum runs in k order within a tile's 32 and tile by tile, whatever M: a row gets the same bits in any batch.
 //
 // Compiled with target attributes (no -mamx flags for the rest of the library); amx_available()
 // says at run time whether the CPU has AMX-BF16 and the kernel lets this process use the tile
@@ -39,7 +40,7 @@ namespace {
 #ifdef PDSERVE_AMX
 // AMX and AVX512 for what follows only (the rest of the library is built for the CPU's flags)
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")  // PDSERVE_AMX_TARGET (a pragma takes no macro)
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,prfchw")  // PDSERVE_AMX_TARGET and PREFETCHW (a pragma takes no macro)
 #define PDSERVE_AVX2 1  // both lane widths' operations (cpu_lanes.h): the AMX CPUs have them
 #define PDSERVE_AVX512 1
 #include "cpu_lanes.h"
@@ -103,7 +104,28 @@ struct Epilogue {
       }
     }
   }
-  AMX_TARGET void step() { run(std::min(rows, next + per_step)); }
+  // With several row blocks (prefill-sized calls; a decode step's one block streams its weights
+  // and writes a few rows), a step also asks for what the thread needs a block or a group later:
+  // - the block being multiplied: its rows of y (`ahead_bytes` from ahead_y, ahead_ld bytes
+  //   apart), with intent to write, so that its stores a block later find their lines in this
+  //   core's cache (a store to a line another core's op left, or memory holds, waits for it);
+  // - the next group's weights [fetch, fetch_end) into L2, `fetch_lines` lines a step, spread over
+  //   this group's blocks (else the next group's first block waits on them from memory).
+  char* ahead_y = nullptr;
+  int64_t ahead_ld = 0, ahead_bytes = 0, ahead_rows = 0, ahead_next = 0, ahead_per_step = 1;
+  const char* fetch = nullptr;
+  const char* fetch_end = nullptr;
+  int64_t fetch_lines = 0;
+  AMX_TARGET void step() {
+    run(std::min(rows, next + per_step));
+#ifndef PDSERVE_NO_Y_PREFETCH
+    for (const int64_t end = std::min(ahead_rows, ahead_next + ahead_per_step); ahead_next < end; ++ahead_next)
+      for (int64_t b = 0; b < ahead_bytes; b += 64) __builtin_prefetch(ahead_y + ahead_next * ahead_ld + b, 1, 3);
+#endif
+#ifndef PDSERVE_NO_W_PREFETCH
+    for (int64_t i = 0; i < fetch_lines && fetch < fetch_end; ++i, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T1);
+#endif
+  }
   AMX_TARGET void finish() { run(rows); }
 };
 
@@ -111,7 +133,7 @@ struct Epilogue {
 // Tile 4 holds A; B rotates through 5, 6, 7.
 template <int NP>
 AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
-                          float* c, int64_t ldc, Epilogue* prev) {
+                          float* c, int64_t ldc, Epilogue& prev) {
   _tile_zero(0);
   if (NP > 1) _tile_zero(1);
   if (NP > 2) _tile_zero(2);
@@ -121,7 +143,7 @@ AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int
     const uint16_t* b = w + t * kTile;
     _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
-    if (prev != nullptr) prev->step();
+    prev.step();
     if (NP > 1) {
       _tile_loadd(6, b + stride, 64);
       _tile_dpbf16ps(1, 4, 6);
@@ -144,7 +166,7 @@ AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int
 // C tiles 0..3 = two A blocks (a, a + 16 rows) x NP (1 or 2) panels: A in 4, 5; B in 6, 7.
 template <int NP>
 AMX_TARGET void tiles_2xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
-                          float* c, int64_t ldc, Epilogue* prev) {
+                          float* c, int64_t ldc, Epilogue& prev) {
   const uint16_t* a1 = a + kRows * (lda / 2);
   _tile_zero(0);
   _tile_zero(2);
@@ -159,7 +181,7 @@ AMX_TARGET void tiles_2xN(const uint16_t* a, int64_t lda, const uint16_t* w, int
     _tile_loadd(6, b, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
-    if (prev != nullptr) prev->step();
+    prev.step();
     if (NP > 1) {
       _tile_loadd(7, b + stride, 64);
       _tile_dpbf16ps(1, 4, 7);
@@ -190,33 +212,46 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   for (int64_t p = p0; p < p1; p += group) {
     const int64_t np = std::min(group, p1 - p);
     const uint16_t* wp = w + p * stride;
+    if (blocks > 1 && p + group < p1) {  // the next group's weights, over this group's tile steps
+      const int64_t lines = std::min(group, p1 - p - group) * stride * 2 / 64, steps = (blocks + 1) / 2 * KT;
+      last.fetch = reinterpret_cast<const char*>(wp + group * stride), last.fetch_end = last.fetch + lines * 64;
+      last.fetch_lines = (lines + steps - 1) / steps;
+    }
     const int64_t col0 = p * kCols, cols = std::min(np * kCols, N - col0);
     for (int64_t b = 0; b < blocks; b += 2) {
       const uint16_t* ab = a + b * kRows * (lda / 2);
       const bool pair = b + 1 < blocks;
       float* c = staged[turn];
-      Epilogue* prev = last.next < last.rows ? &last : nullptr;
+      const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
+      void* yb;  // this block's first output
+      int64_t row_bytes, ld_bytes;
+      if (silu) {
+        yb = static_cast<uint16_t*>(y) + r0 * (N / 2) + col0 / 2, row_bytes = cols, ld_bytes = N;
+      } else {
+        const int64_t e = out_bf16 ? 2 : 4;
+        yb = static_cast<char*>(y) + (r0 * N + col0) * e, row_bytes = cols * e, ld_bytes = N * e;
+      }
+      last.ahead_y = static_cast<char*>(yb), last.ahead_ld = ld_bytes, last.ahead_bytes = row_bytes;
+      last.ahead_rows = blocks > 1 ? rows : 0, last.ahead_next = 0, last.ahead_per_step = (rows + KT - 1) / KT;
       if (pair) {
-        if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, prev);
-        else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, prev);
+        if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, last);
+        else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last);
       } else {
         switch (np) {
-          case 4: tiles_1xN<4>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
-          case 3: tiles_1xN<3>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
-          case 2: tiles_1xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
-          default: tiles_1xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, prev); break;
+          case 4: tiles_1xN<4>(ab, lda, wp, stride, KT, c, ldc * 4, last); break;
+          case 3: tiles_1xN<3>(ab, lda, wp, stride, KT, c, ldc * 4, last); break;
+          case 2: tiles_1xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, last); break;
+          default: tiles_1xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last); break;
         }
       }
       last.finish();
-      const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
       last.c = c, last.ldc = ldc, last.rows = rows, last.next = 0, last.per_step = (rows + KT - 1) / KT;
       last.silu = silu, last.out_bf16 = out_bf16;
+      last.y = yb;
       if (silu) {
         last.cols = np / 2, last.bias = nullptr, last.ldy = N / 2;  // cols: (gate, up) panel pairs
-        last.y = static_cast<uint16_t*>(y) + r0 * (N / 2) + col0 / 2;
       } else {
         last.cols = cols, last.bias = bias == nullptr ? nullptr : bias + col0, last.ldy = N;
-        last.y = static_cast<char*>(y) + (r0 * N + col0) * (out_bf16 ? 2 : 4);
       }
       turn ^= 1;
     }

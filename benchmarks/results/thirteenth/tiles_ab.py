@@ -6,7 +6,9 @@ tile steps).
     python benchmarks/results/thirteenth/tiles_ab.py BASE decode BATCH CONTEXT  engine steps, 5 a turn
     python benchmarks/results/thirteenth/tiles_ab.py BASE prefill TOKENS ROUNDS one prefill step a turn
 
-BASE: a commit (fa8e394 for the thirteenth part). Prints base and tree medians and tree / base.
+BASE: a commit (fa8e394 for the thirteenth part, 4371e2f for the fourteenth), or COMMIT:FLAGS, the
+sources built with those preprocessor flags (tree:-DPDSERVE_NO_Y_PREFETCH: the tree without one
+part). Prints base and tree medians and tree / base.
 """
 
 import gc
@@ -28,15 +30,21 @@ from pdserve.engine.parallel.layers import Tiles  # noqa: E402
 from pdserve.kernels import cpu_native  # noqa: E402
 
 
-def build_at(commit: str):
-    """The compiled module from the kernel sources at `commit`, under another module name."""
+def build_at(spec: str):
+    """The compiled module from the kernel sources at a commit, under another module name. `spec`:
+    COMMIT, or COMMIT:FLAG,FLAG with preprocessor flags to build it with (tree: the working tree's
+    sources), e.g. tree:-DPDSERVE_NO_Y_PREFETCH."""
+    commit, _, flags = spec.partition(":")
     work = Path(tempfile.mkdtemp(prefix="tiles_ab_"))
     for name in ("cpu_decode.cpp", "cpu_amx.cpp", "cpu_amx.h", "cpu_lanes.h", "cpu_amx_tiles.h", "cpu_amx_attention.cpp"):
-        source = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{commit}:pdserve/kernels/{name}"])
+        if commit == "tree":
+            source = (ROOT / "pdserve" / "kernels" / name).read_bytes()
+        else:
+            source = subprocess.check_output(["git", "-C", str(ROOT), "show", f"{commit}:pdserve/kernels/{name}"])
         (work / name).write_bytes(source)
     sources = [str(work / Path(p).name) for p in cpu_native.cpp_sources()]
-    return load_extension("tiles_ab_base", sources, extra_cflags=cpu_native.compile_flags(), extra_ldflags=["-fopenmp"],
-                          build_directory=str(work), verbose=False)
+    return load_extension("tiles_ab_base", sources, extra_cflags=cpu_native.compile_flags() + [f for f in flags.split(",") if f],
+                          extra_ldflags=["-fopenmp"], build_directory=str(work), verbose=False)
 
 
 mods = {"base": build_at(sys.argv[1]), "tree": cpu_native.load()}
