@@ -116,8 +116,12 @@ struct Epilogue {
   const char* fetch = nullptr;
   const char* fetch_end = nullptr;
   int64_t fetch_lines = 0;
+  bool prefetch = false;  // several row blocks
   AMX_TARGET void step() {
     run(std::min(rows, next + per_step));
+    if (prefetch) ask_ahead();
+  }
+  AMX_TARGET void ask_ahead() {
 #ifndef PDSERVE_NO_Y_PREFETCH
     for (const int64_t end = std::min(ahead_rows, ahead_next + ahead_per_step); ahead_next < end; ++ahead_next)
       for (int64_t b = 0; b < ahead_bytes; b += 64) __builtin_prefetch(ahead_y + ahead_next * ahead_ld + b, 1, 3);
@@ -209,6 +213,7 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   int turn = 0;
   const int64_t ldc = group * kCols;  // floats
   Epilogue last;  // the block before this one: its rows stored during this one's tile steps
+  last.prefetch = blocks > 1;
   for (int64_t p = p0; p < p1; p += group) {
     const int64_t np = std::min(group, p1 - p);
     const uint16_t* wp = w + p * stride;
@@ -232,7 +237,7 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
         yb = static_cast<char*>(y) + (r0 * N + col0) * e, row_bytes = cols * e, ld_bytes = N * e;
       }
       last.ahead_y = static_cast<char*>(yb), last.ahead_ld = ld_bytes, last.ahead_bytes = row_bytes;
-      last.ahead_rows = blocks > 1 ? rows : 0, last.ahead_next = 0, last.ahead_per_step = (rows + KT - 1) / KT;
+      last.ahead_rows = rows, last.ahead_next = 0, last.ahead_per_step = (rows + KT - 1) / KT;
       if (pair) {
         if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, last);
         else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last);
