@@ -46,91 +46,93 @@ namespace {
 #include "cpu_lanes.h"
 #define AMX_TARGET
 
-// y[r, n] for rows [0, rows) and columns [0, cols) of the staged sums c (ldc floats a row), plus
-// the bias, rounded to bf16 (nearest even) or kept fp32.
-AMX_TARGET void write_rows(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, void* y,
-                           int64_t ldy, bool out_bf16) {
+// One row of y, columns [0, cols), from one row of the staged sums c, plus the bias, rounded to
+// bf16 (nearest even) or kept fp32.
+AMX_TARGET void write_row(const float* c, int64_t cols, const float* bias, void* y, bool out_bf16) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (cols % 16)) - 1u);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* src = c + r * ldc;
-    for (int64_t n = 0; n < cols; n += 16) {
-      const __mmask16 m = n + 16 <= cols ? static_cast<__mmask16>(0xffff) : tail;
-      __m512 v = _mm512_maskz_loadu_ps(m, src + n);
-      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n));
-      if (out_bf16) {
-        const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + r * ldy + n, m, h);
-      } else {
-        _mm512_mask_storeu_ps(static_cast<float*>(y) + r * ldy + n, m, v);
-      }
+  for (int64_t n = 0; n < cols; n += 16) {
+    const __mmask16 m = n + 16 <= cols ? static_cast<__mmask16>(0xffff) : tail;
+    __m512 v = _mm512_maskz_loadu_ps(m, c + n);
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + n));
+    if (out_bf16) {
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + n, m, (__m256i)_mm512_cvtneps_pbh(v));
+    } else {
+      _mm512_mask_storeu_ps(static_cast<float*>(y) + n, m, v);
     }
   }
 }
 
-// The gate_up projection's epilogue (pack_tiles of gate and up rows interleaved 16 by 16): the
-// staged sums of `pairs` panel pairs (gate, up) become silu(gate) * up, with the roundings the
-// unfused path makes: gate and up rounded to bf16 (the GEMM's output), then silu_mul's arithmetic
-// (cpu_lanes.h: store_silu_times). The same bits as gemm_tiles + silu_mul.
-AMX_TARGET void write_silu_rows(const float* c, int64_t ldc, int64_t rows, int64_t pairs, uint16_t* y, int64_t ldy) {
-  const auto bf16 = [](__m512 v) {  // the GEMM's own rounding (write_rows), back as floats
+// The gate_up projection's epilogue (pack_tiles of gate and up rows interleaved 16 by 16): one
+// row's staged sums of `pairs` panel pairs (gate, up) become silu(gate) * up, with the roundings
+// the unfused path makes: gate and up rounded to bf16 (the GEMM's output), then silu_mul's
+// arithmetic (cpu_lanes.h: store_silu_times). The same bits as gemm_tiles + silu_mul.
+AMX_TARGET void write_silu_row(const float* c, int64_t pairs, uint16_t* y) {
+  const auto bf16 = [](__m512 v) {  // the GEMM's own rounding (write_row), back as floats
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
   };
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < pairs; ++j) {
-      const __m512 g = bf16(_mm512_loadu_ps(c + r * ldc + 2 * j * kCols));
-      const __m512 u = bf16(_mm512_loadu_ps(c + r * ldc + (2 * j + 1) * kCols));
-      store_silu_times<Lanes16, uint16_t>(y + r * ldy + j * kCols, g, u);
-    }
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512 g = bf16(_mm512_loadu_ps(c + 2 * j * kCols));
+    const __m512 u = bf16(_mm512_loadu_ps(c + (2 * j + 1) * kCols));
+    store_silu_times<Lanes16, uint16_t>(y + j * kCols, g, u);
+  }
 }
 
-// A block's staged sums on their way to y: write_rows (or write_silu_rows) a few rows at a time,
+// A block's staged sums on their way to y: write_row (or write_silu_row) a few rows at a time,
 // called between the tile steps of the next block, so the vector units store one block while the
 // tile unit multiplies the next (a block's stores after its products left the tile unit idle: a
 // third of a prefill-sized GEMM's time, benchmarks/RESULTS.md, tenth part). The same stores.
+//
+// In a call of several row blocks (prefill-sized; a decode call's one block streams its weights
+// and writes a few rows) a step also asks for what the thread needs a block or a group later:
+// - the rows of y of the block being multiplied (`coming`), with intent to write, so that its
+//   stores a block later find their lines in this core's cache: in a model's step the output
+//   buffer's lines were last another core's op's, and a store to such a line waits for it;
+// - the next group's weights [fetch, fetch_end) into L2, `fetch_lines` lines a step, spread over
+//   this group's blocks (else the next group's first block waits on them from memory).
 struct Epilogue {
-  const float* c = nullptr;
-  int64_t ldc = 0, rows = 0, next = 0, cols = 0, per_step = 1;
+  struct Block {
+    char* y = nullptr;  // its row 0 of y, at the group's first column
+    int64_t rows = 0, next = 0, per_step = 1;  // next: the first row not yet stored (or asked for)
+  };
+  Block stored, coming;
+  const float* c = nullptr;  // the stored block's sums, ldc floats a row
+  int64_t ldc = 0, cols = 0;  // cols: the stored block's columns (panel pairs with silu)
   const float* bias = nullptr;
-  void* y = nullptr;  // row 0 of the block, column col0
-  int64_t ldy = 0;
-  bool out_bf16 = true, silu = false;
-  AMX_TARGET void run(int64_t upto) {
-    for (; next < upto; ++next) {
-      if (silu) {
-        write_silu_rows(c + next * ldc, ldc, 1, cols, static_cast<uint16_t*>(y) + next * ldy, ldy);
-      } else {
-        char* yr = static_cast<char*>(y) + next * ldy * (out_bf16 ? 2 : 4);
-        write_rows(c + next * ldc, ldc, 1, cols, bias, yr, ldy, out_bf16);
-      }
-    }
-  }
-  // With several row blocks (prefill-sized calls; a decode step's one block streams its weights
-  // and writes a few rows), a step also asks for what the thread needs a block or a group later:
-  // - the block being multiplied: its rows of y (`ahead_bytes` from ahead_y, ahead_ld bytes
-  //   apart), with intent to write, so that its stores a block later find their lines in this
-  //   core's cache (a store to a line another core's op left, or memory holds, waits for it);
-  // - the next group's weights [fetch, fetch_end) into L2, `fetch_lines` lines a step, spread over
-  //   this group's blocks (else the next group's first block waits on them from memory).
-  char* ahead_y = nullptr;
-  int64_t ahead_ld = 0, ahead_bytes = 0, ahead_rows = 0, ahead_next = 0, ahead_per_step = 1;
+  int64_t ld = 0, row_bytes = 0;  // bytes from one row of y to the next; of the coming block's row
+  bool out_bf16 = true, silu = false, prefetch = false;
   const char* fetch = nullptr;
   const char* fetch_end = nullptr;
   int64_t fetch_lines = 0;
-  bool prefetch = false;  // several row blocks
+
+  AMX_TARGET void run(int64_t upto) {
+    for (; stored.next < upto; ++stored.next) {
+      char* row = stored.y + stored.next * ld;
+      if (silu) write_silu_row(c + stored.next * ldc, cols, reinterpret_cast<uint16_t*>(row));
+      else write_row(c + stored.next * ldc, cols, bias, row, out_bf16);
+    }
+  }
   AMX_TARGET void step() {
-    run(std::min(rows, next + per_step));
+    run(std::min(stored.rows, stored.next + stored.per_step));
     if (prefetch) ask_ahead();
   }
   AMX_TARGET void ask_ahead() {
 #ifndef PDSERVE_NO_Y_PREFETCH
-    for (const int64_t end = std::min(ahead_rows, ahead_next + ahead_per_step); ahead_next < end; ++ahead_next)
-      for (int64_t b = 0; b < ahead_bytes; b += 64) __builtin_prefetch(ahead_y + ahead_next * ahead_ld + b, 1, 3);
+    for (const int64_t end = std::min(coming.rows, coming.next + coming.per_step); coming.next < end; ++coming.next)
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(coming.y + coming.next * ld + b, 1, 3);
 #endif
 #ifndef PDSERVE_NO_W_PREFETCH
     for (int64_t i = 0; i < fetch_lines && fetch < fetch_end; ++i, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T1);
 #endif
   }
-  AMX_TARGET void finish() { run(rows); }
+  AMX_TARGET void finish() { run(stored.rows); }
+  // After the coming block's products: the block before it stored, it is the one to store (its
+  // sums in c; its columns and bias those of its group).
+  AMX_TARGET void rotate(const float* sums, int64_t sums_ld, int64_t block_cols, const float* block_bias) {
+    finish();
+    stored = coming;
+    stored.next = 0;
+    c = sums, ldc = sums_ld, cols = block_cols, bias = block_bias;
+  }
 };
 
 // C tiles 0..NP-1 = one A block (16 rows at a, lda bytes apart) x NP panels (w, `stride` bf16 apart).
@@ -213,7 +215,8 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   int turn = 0;
   const int64_t ldc = group * kCols;  // floats
   Epilogue last;  // the block before this one: its rows stored during this one's tile steps
-  last.prefetch = blocks > 1;
+  const int64_t e = out_bf16 ? 2 : 4;  // bytes an output (the silu form: bf16)
+  last.ld = (silu ? N / 2 : N) * e, last.out_bf16 = out_bf16, last.silu = silu, last.prefetch = blocks > 1;
   for (int64_t p = p0; p < p1; p += group) {
     const int64_t np = std::min(group, p1 - p);
     const uint16_t* wp = w + p * stride;
@@ -223,21 +226,14 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
       last.fetch_lines = (lines + steps - 1) / steps;
     }
     const int64_t col0 = p * kCols, cols = std::min(np * kCols, N - col0);
+    char* y0 = static_cast<char*>(y) + (silu ? col0 / 2 : col0) * e;  // row 0, the group's first output
+    last.row_bytes = (silu ? cols / 2 : cols) * e;
     for (int64_t b = 0; b < blocks; b += 2) {
       const uint16_t* ab = a + b * kRows * (lda / 2);
       const bool pair = b + 1 < blocks;
       float* c = staged[turn];
       const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
-      void* yb;  // this block's first output
-      int64_t row_bytes, ld_bytes;
-      if (silu) {
-        yb = static_cast<uint16_t*>(y) + r0 * (N / 2) + col0 / 2, row_bytes = cols, ld_bytes = N;
-      } else {
-        const int64_t e = out_bf16 ? 2 : 4;
-        yb = static_cast<char*>(y) + (r0 * N + col0) * e, row_bytes = cols * e, ld_bytes = N * e;
-      }
-      last.ahead_y = static_cast<char*>(yb), last.ahead_ld = ld_bytes, last.ahead_bytes = row_bytes;
-      last.ahead_rows = rows, last.ahead_next = 0, last.ahead_per_step = (rows + KT - 1) / KT;
+      last.coming = {y0 + r0 * last.ld, rows, 0, (rows + KT - 1) / KT};
       if (pair) {
         if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, last);
         else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last);
@@ -249,15 +245,8 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
           default: tiles_1xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last); break;
         }
       }
-      last.finish();
-      last.c = c, last.ldc = ldc, last.rows = rows, last.next = 0, last.per_step = (rows + KT - 1) / KT;
-      last.silu = silu, last.out_bf16 = out_bf16;
-      last.y = yb;
-      if (silu) {
-        last.cols = np / 2, last.bias = nullptr, last.ldy = N / 2;  // cols: (gate, up) panel pairs
-      } else {
-        last.cols = cols, last.bias = bias == nullptr ? nullptr : bias + col0, last.ldy = N;
-      }
+      // the stored columns: (gate, up) panel pairs with silu
+      last.rotate(c, ldc, silu ? np / 2 : cols, bias == nullptr ? nullptr : bias + col0);
       turn ^= 1;
     }
   }
