@@ -81,65 +81,71 @@ AMX_TARGET void write_silu_row(const float* c, int64_t pairs, uint16_t* y) {
 // called between the tile steps of the next block, so the vector units store one block while the
 // tile unit multiplies the next (a block's stores after its products left the tile unit idle: a
 // third of a prefill-sized GEMM's time, benchmarks/RESULTS.md, tenth part). The same stores.
-//
+struct Stores {
+  const float* c = nullptr;  // the block's sums, ldc floats a row
+  int64_t ldc = 0, rows = 0, next = 0, per_step = 1;  // next: the first row not yet stored
+  int64_t cols = 0;  // the block's columns; with silu its (gate, up) panel pairs
+  const float* bias = nullptr;
+  char* y = nullptr;  // the block's row 0 of y, at its group's first column
+  int64_t ld = 0;     // bytes from one row of y to the next
+  bool out_bf16 = true, silu = false;
+
+  AMX_TARGET void run(int64_t upto) {
+    for (; next < upto; ++next) {
+      char* row = y + next * ld;
+      if (silu) write_silu_row(c + next * ldc, cols, reinterpret_cast<uint16_t*>(row));
+      else write_row(c + next * ldc, cols, bias, row, out_bf16);
+    }
+  }
+  AMX_TARGET void step() { run(std::min(rows, next + per_step)); }
+  AMX_TARGET void finish() { run(rows); }
+};
+
 // In a call of several row blocks (prefill-sized; a decode call's one block streams its weights
-// and writes a few rows) a step also asks for what the thread needs a block or a group later:
-// - the rows of y of the block being multiplied (`coming`), with intent to write, so that its
-//   stores a block later find their lines in this core's cache: in a model's step the output
-//   buffer's lines were last another core's op's, and a store to such a line waits for it;
+// and writes a few rows), each tile step also asks for what the thread needs a block or a group
+// later:
+// - the rows of y of the block being multiplied, with intent to write, so that its stores a block
+//   later find their lines in this core's cache: in a model's step the output buffer's lines were
+//   last another core's op's, and a store to such a line waits for it;
 // - the next group's weights [fetch, fetch_end) into L2, `fetch_lines` lines a step, spread over
 //   this group's blocks (else the next group's first block waits on them from memory).
-struct Epilogue {
-  struct Block {
-    char* y = nullptr;  // its row 0 of y, at the group's first column
-    int64_t rows = 0, next = 0, per_step = 1;  // next: the first row not yet stored (or asked for)
-  };
-  Block stored, coming;
-  const float* c = nullptr;  // the stored block's sums, ldc floats a row
-  int64_t ldc = 0, cols = 0;  // cols: the stored block's columns (panel pairs with silu)
-  const float* bias = nullptr;
-  int64_t ld = 0, row_bytes = 0;  // bytes from one row of y to the next; of the coming block's row
-  bool out_bf16 = true, silu = false, prefetch = false;
+struct AskAhead {
+  char* y = nullptr;  // the coming block's row 0 of y
+  int64_t rows = 0, next = 0, per_step = 1, ld = 0, row_bytes = 0;
   const char* fetch = nullptr;
   const char* fetch_end = nullptr;
   int64_t fetch_lines = 0;
 
-  AMX_TARGET void run(int64_t upto) {
-    for (; stored.next < upto; ++stored.next) {
-      char* row = stored.y + stored.next * ld;
-      if (silu) write_silu_row(c + stored.next * ldc, cols, reinterpret_cast<uint16_t*>(row));
-      else write_row(c + stored.next * ldc, cols, bias, row, out_bf16);
-    }
-  }
   AMX_TARGET void step() {
-    run(std::min(stored.rows, stored.next + stored.per_step));
-    if (prefetch) ask_ahead();
-  }
-  AMX_TARGET void ask_ahead() {
 #ifndef PDSERVE_NO_Y_PREFETCH
-    for (const int64_t end = std::min(coming.rows, coming.next + coming.per_step); coming.next < end; ++coming.next)
-      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(coming.y + coming.next * ld + b, 1, 3);
+    for (const int64_t end = std::min(rows, next + per_step); next < end; ++next)
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(y + next * ld + b, 1, 3);
 #endif
 #ifndef PDSERVE_NO_W_PREFETCH
     for (int64_t i = 0; i < fetch_lines && fetch < fetch_end; ++i, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T1);
 #endif
   }
-  AMX_TARGET void finish() { run(stored.rows); }
-  // After the coming block's products: the block before it stored, it is the one to store (its
-  // sums in c; its columns and bias those of its group).
-  AMX_TARGET void rotate(const float* sums, int64_t sums_ld, int64_t block_cols, const float* block_bias) {
-    finish();
-    stored = coming;
-    stored.next = 0;
-    c = sums, ldc = sums_ld, cols = block_cols, bias = block_bias;
+};
+
+// What a tile step does besides its products: the block before's stores and, with kAhead (calls
+// of several row blocks), the asking ahead. A decode call's tile loops are compiled without the
+// asking ahead: with it in the same structure, unused, its 16-row GEMMs ran 3-13% slower
+// (benchmarks/RESULTS.md, fifteenth part).
+template <bool kAhead>
+struct Epilogue {
+  Stores stores;
+  AskAhead ahead;
+  AMX_TARGET void step() {
+    stores.step();
+    if constexpr (kAhead) ahead.step();
   }
 };
 
 // C tiles 0..NP-1 = one A block (16 rows at a, lda bytes apart) x NP panels (w, `stride` bf16 apart).
 // Tile 4 holds A; B rotates through 5, 6, 7.
-template <int NP>
+template <int NP, typename E>
 AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
-                          float* c, int64_t ldc, Epilogue& prev) {
+                          float* c, int64_t ldc, E& prev) {
   _tile_zero(0);
   if (NP > 1) _tile_zero(1);
   if (NP > 2) _tile_zero(2);
@@ -170,9 +176,9 @@ AMX_TARGET void tiles_1xN(const uint16_t* a, int64_t lda, const uint16_t* w, int
 }
 
 // C tiles 0..3 = two A blocks (a, a + 16 rows) x NP (1 or 2) panels: A in 4, 5; B in 6, 7.
-template <int NP>
+template <int NP, typename E>
 AMX_TARGET void tiles_2xN(const uint16_t* a, int64_t lda, const uint16_t* w, int64_t stride, int64_t KT,
-                          float* c, int64_t ldc, Epilogue& prev) {
+                          float* c, int64_t ldc, E& prev) {
   const uint16_t* a1 = a + kRows * (lda / 2);
   _tile_zero(0);
   _tile_zero(2);
@@ -204,7 +210,9 @@ AMX_TARGET void tiles_2xN(const uint16_t* a, int64_t lda, const uint16_t* w, int
 }
 
 // Panels [p0, p1) of the output for every row: the work of one thread. `silu`: the panels are
-// (gate, up) pairs and y is their silu(gate) * up (write_silu_rows), N / 2 wide.
+// (gate, up) pairs and y is their silu(gate) * up (write_silu_row), N / 2 wide. kAhead: M has
+// several row blocks (Epilogue).
+template <bool kAhead>
 AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint16_t* w, int64_t KT, int64_t p0,
                            int64_t p1, int64_t N, const float* bias, void* y, bool out_bf16, bool silu) {
   configure_tiles();
@@ -214,26 +222,30 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   alignas(64) float staged[2][2 * kRows * 4 * kCols];  // one block's sums being stored, the next one's being made
   int turn = 0;
   const int64_t ldc = group * kCols;  // floats
-  Epilogue last;  // the block before this one: its rows stored during this one's tile steps
   const int64_t e = out_bf16 ? 2 : 4;  // bytes an output (the silu form: bf16)
-  last.ld = (silu ? N / 2 : N) * e, last.out_bf16 = out_bf16, last.silu = silu, last.prefetch = blocks > 1;
+  Epilogue<kAhead> last;  // the block before this one: its rows stored during this one's tile steps
+  last.stores.ld = last.ahead.ld = (silu ? N / 2 : N) * e;
+  last.stores.out_bf16 = out_bf16, last.stores.silu = silu;
   for (int64_t p = p0; p < p1; p += group) {
     const int64_t np = std::min(group, p1 - p);
     const uint16_t* wp = w + p * stride;
-    if (blocks > 1 && p + group < p1) {  // the next group's weights, over this group's tile steps
-      const int64_t lines = std::min(group, p1 - p - group) * stride * 2 / 64, steps = (blocks + 1) / 2 * KT;
-      last.fetch = reinterpret_cast<const char*>(wp + group * stride), last.fetch_end = last.fetch + lines * 64;
-      last.fetch_lines = (lines + steps - 1) / steps;
-    }
     const int64_t col0 = p * kCols, cols = std::min(np * kCols, N - col0);
     char* y0 = static_cast<char*>(y) + (silu ? col0 / 2 : col0) * e;  // row 0, the group's first output
-    last.row_bytes = (silu ? cols / 2 : cols) * e;
+    if (kAhead && p + group < p1) {  // the next group's weights, over this group's tile steps
+      const int64_t lines = std::min(group, p1 - p - group) * stride * 2 / 64, steps = (blocks + 1) / 2 * KT;
+      last.ahead.fetch = reinterpret_cast<const char*>(wp + group * stride);
+      last.ahead.fetch_end = last.ahead.fetch + lines * 64;
+      last.ahead.fetch_lines = (lines + steps - 1) / steps;
+    }
     for (int64_t b = 0; b < blocks; b += 2) {
       const uint16_t* ab = a + b * kRows * (lda / 2);
       const bool pair = b + 1 < blocks;
       float* c = staged[turn];
       const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
-      last.coming = {y0 + r0 * last.ld, rows, 0, (rows + KT - 1) / KT};
+      if constexpr (kAhead) {
+        last.ahead.y = y0 + r0 * last.ahead.ld, last.ahead.rows = rows, last.ahead.next = 0;
+        last.ahead.per_step = (rows + KT - 1) / KT, last.ahead.row_bytes = (silu ? cols / 2 : cols) * e;
+      }
       if (pair) {
         if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, last);
         else tiles_2xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last);
@@ -245,12 +257,14 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
           default: tiles_1xN<1>(ab, lda, wp, stride, KT, c, ldc * 4, last); break;
         }
       }
-      // the stored columns: (gate, up) panel pairs with silu
-      last.rotate(c, ldc, silu ? np / 2 : cols, bias == nullptr ? nullptr : bias + col0);
+      Stores& s = last.stores;  // the block before stored; this one is next (its sums in c)
+      s.finish();
+      s.c = c, s.ldc = ldc, s.rows = rows, s.next = 0, s.per_step = (rows + KT - 1) / KT;
+      s.cols = silu ? np / 2 : cols, s.bias = bias == nullptr ? nullptr : bias + col0, s.y = y0 + r0 * s.ld;
       turn ^= 1;
     }
   }
-  last.finish();
+  last.stores.finish();
   _tile_release();
 }
 
@@ -322,7 +336,8 @@ torch::Tensor run_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featur
   const int64_t blocks = Mp / kRows, group = blocks == 1 ? 4 : 2;
   const int64_t groups = (P + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    gemm_range(ap, Kp * 2, M, wp, KT, g0 * group, std::min(P, g1 * group), N, b, yp, out_bf16, silu);
+    const auto range = blocks > 1 ? gemm_range<true> : gemm_range<false>;
+    range(ap, Kp * 2, M, wp, KT, g0 * group, std::min(P, g1 * group), N, b, yp, out_bf16, silu);
   });
 #endif
   return y;
