@@ -223,28 +223,33 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
   int turn = 0;
   const int64_t ldc = group * kCols;  // floats
   const int64_t e = out_bf16 ? 2 : 4;  // bytes an output (the silu form: bf16)
+  const int64_t ld = (silu ? N / 2 : N) * e;  // bytes from one row of y to the next
   Epilogue<kAhead> last;  // the block before this one: its rows stored during this one's tile steps
-  last.stores.ld = last.ahead.ld = (silu ? N / 2 : N) * e;
+  last.stores.ld = last.ahead.ld = ld;
   last.stores.out_bf16 = out_bf16, last.stores.silu = silu;
   for (int64_t p = p0; p < p1; p += group) {
     const int64_t np = std::min(group, p1 - p);
     const uint16_t* wp = w + p * stride;
     const int64_t col0 = p * kCols, cols = std::min(np * kCols, N - col0);
     char* y0 = static_cast<char*>(y) + (silu ? col0 / 2 : col0) * e;  // row 0, the group's first output
-    if (kAhead && p + group < p1) {  // the next group's weights, over this group's tile steps
-      const int64_t lines = std::min(group, p1 - p - group) * stride * 2 / 64, steps = (blocks + 1) / 2 * KT;
-      last.ahead.fetch = reinterpret_cast<const char*>(wp + group * stride);
-      last.ahead.fetch_end = last.ahead.fetch + lines * 64;
-      last.ahead.fetch_lines = (lines + steps - 1) / steps;
+    if constexpr (kAhead) {
+      last.ahead.row_bytes = (silu ? cols / 2 : cols) * e;
+      if (p + group < p1) {  // the next group's weights, over this group's tile steps
+        const int64_t lines = std::min(group, p1 - p - group) * stride * 2 / 64, steps = (blocks + 1) / 2 * KT;
+        last.ahead.fetch = reinterpret_cast<const char*>(wp + group * stride);
+        last.ahead.fetch_end = last.ahead.fetch + lines * 64;
+        last.ahead.fetch_lines = (lines + steps - 1) / steps;
+      }
     }
     for (int64_t b = 0; b < blocks; b += 2) {
       const uint16_t* ab = a + b * kRows * (lda / 2);
       const bool pair = b + 1 < blocks;
       float* c = staged[turn];
       const int64_t r0 = b * kRows, rows = std::min<int64_t>(pair ? 2 * kRows : kRows, M - r0);
+      const int64_t per_step = (rows + KT - 1) / KT;  // rows stored (or asked for) a tile step
+      char* yb = y0 + r0 * ld;  // this block's first output
       if constexpr (kAhead) {
-        last.ahead.y = y0 + r0 * last.ahead.ld, last.ahead.rows = rows, last.ahead.next = 0;
-        last.ahead.per_step = (rows + KT - 1) / KT, last.ahead.row_bytes = (silu ? cols / 2 : cols) * e;
+        last.ahead.y = yb, last.ahead.rows = rows, last.ahead.next = 0, last.ahead.per_step = per_step;
       }
       if (pair) {
         if (np == 2) tiles_2xN<2>(ab, lda, wp, stride, KT, c, ldc * 4, last);
@@ -259,8 +264,8 @@ AMX_TARGET void gemm_range(const uint16_t* a, int64_t lda, int64_t M, const uint
       }
       Stores& s = last.stores;  // the block before stored; this one is next (its sums in c)
       s.finish();
-      s.c = c, s.ldc = ldc, s.rows = rows, s.next = 0, s.per_step = (rows + KT - 1) / KT;
-      s.cols = silu ? np / 2 : cols, s.bias = bias == nullptr ? nullptr : bias + col0, s.y = y0 + r0 * s.ld;
+      s.c = c, s.ldc = ldc, s.rows = rows, s.next = 0, s.per_step = per_step;
+      s.cols = silu ? np / 2 : cols, s.bias = bias == nullptr ? nullptr : bias + col0, s.y = yb;
       turn ^= 1;
     }
   }
@@ -335,8 +340,8 @@ torch::Tensor run_tiles(torch::Tensor x, torch::Tensor tiles, int64_t out_featur
   void* yp = y.data_ptr();
   const int64_t blocks = Mp / kRows, group = blocks == 1 ? 4 : 2;
   const int64_t groups = (P + group - 1) / group;
+  const auto range = blocks > 1 ? gemm_range<true> : gemm_range<false>;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    const auto range = blocks > 1 ? gemm_range<true> : gemm_range<false>;
     range(ap, Kp * 2, M, wp, KT, g0 * group, std::min(P, g1 * group), N, b, yp, out_bf16, silu);
   });
 #endif

@@ -11,6 +11,7 @@ Environment: T threads (1), QL query tokens (512), R turns (21). The default mod
 heads, 3 KV heads, head_dim 64, 16-token blocks, one request's prompt of QL tokens.
 """
 
+import atexit
 import os
 import shutil
 import statistics
@@ -31,6 +32,7 @@ H, KVH, D, BS = 9, 3, 64, 16
 QL, TURNS = int(os.environ.get("QL", "512")), int(os.environ.get("R", "21"))
 
 source = Path(tempfile.mkdtemp(prefix="attention_parts_"))
+atexit.register(shutil.rmtree, source, True)  # the copies and builds, on every exit
 for path in cpu_native.cpp_sources():
     shutil.copy(path, source)
 for header in Path(cpu_native.cpp_sources()[0]).parent.glob("*.h"):
@@ -81,4 +83,3 @@ print(f"prefill_attention, {QL} tokens, {torch.get_num_threads()} thread(s), med
 for name, _, _ in mods:
     ratio = statistics.median(a / b for a, b in zip(times[name], first))
     print(f"{name:50s} {1e3 * statistics.median(times[name]):7.3f} ms   / first {ratio:.3f}")
-shutil.rmtree(source, ignore_errors=True)
