@@ -189,9 +189,9 @@ def score(model, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
 
 
 def measure(args) -> dict:
-    from pdserve.engine.dtypes import parse_dtype
     from pdserve.engine.loader import resolve_model
     from pdserve.engine.model_config import ModelConfig
+    from pdserve.kvcache.dtypes import parse_dtype
 
     model_path = resolve_model(args.model)
     dtype = parse_dtype(args.dtype)

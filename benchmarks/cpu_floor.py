@@ -307,9 +307,9 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def run(args) -> dict:
-    from pdserve.engine.dtypes import parse_dtype
     from pdserve.engine.loader import resolve_model
     from pdserve.engine.model_config import ModelConfig
+    from pdserve.kvcache.dtypes import parse_dtype
 
     torch.set_num_threads(args.num_threads)
     config = ModelConfig.from_pretrained(resolve_model(args.model))

@@ -14,7 +14,7 @@ import sys
 import time
 
 from pdserve.bench.json_out import report
-from pdserve.kvtransfer.messages import Token, TokenBatch, _decode_slow, decode, encode
+from pdserve.protocol.messages import Token, TokenBatch, _decode_slow, decode, encode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,8 +48,8 @@ import urllib.request
 from benchmarks.router_capacity_client import LoadClient
 from benchmarks.router_capacity_fleet import MODEL, corpus_token_ids, run_fleet
 from pdserve.bench.json_out import report
-from pdserve.cli.processes import free_port
 from pdserve.router.cli import API_SERVER_HEADER
+from pdserve.utils.processes import free_port
 
 STAGES = ("decode", "detokenize", "sse", "write")
 KEEP_UP = 0.9  # a probe kept up when clients got this share of the tokens offered

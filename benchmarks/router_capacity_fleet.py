@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import (
+from pdserve.node.router_discovery import RouterDiscovery
+from pdserve.node.router_links import RouterLinks
+from pdserve.protocol.messages import (
     Abort,
     FirstToken,
     Heartbeat,
@@ -30,8 +32,6 @@ from pdserve.kvtransfer.messages import (
     Token,
     TokenBatch,
 )
-from pdserve.node.router_discovery import RouterDiscovery
-from pdserve.node.router_links import RouterLinks
 
 MODEL = "smollm2"
 NUM_BLOCKS = 1_000_000  # the fakes never run out of KV

@@ -30,7 +30,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    from pdserve.cli.main import add_engine_args
+    from pdserve.engine.args import add_engine_args
 
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
     add_engine_args(parser)
@@ -84,8 +84,9 @@ def chat_messages(prompts: list[str]) -> Iterator[str]:
 
 
 def _setup(args: argparse.Namespace, prog: str):
-    from pdserve.cli.main import engine_kwargs, resolve_model_verbosely
+    from pdserve.cli.model import resolve_model_verbosely
     from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.args import engine_kwargs
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(str(resolve_model_verbosely(args.model, prog)), **engine_kwargs(args))

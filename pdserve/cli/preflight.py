@@ -32,9 +32,9 @@ def _raise_instead_of_exit(parser: argparse.ArgumentParser) -> argparse.Argument
 def _role_parsers() -> dict[str, tuple[str, Callable[[], argparse.ArgumentParser], list[str], Callable]]:
     """flag -> (the command it feeds, a parser factory, the required flags that parser needs, the
     ZMQ sockets the command opens, from its parsed flags)."""
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.kvtransfer.exposure import node_sockets, router_sockets
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
+    from pdserve.protocol.exposure import node_sockets, router_sockets
     from pdserve.router.cli import build_parser as router_parser
 
     node = ["--router", "tcp://127.0.0.1:1"]  # the one required node flag; serve's own is always loopback
@@ -48,7 +48,7 @@ def check_role_args(values: dict[str, str], curve_keys: str | None = None) -> st
     its role's parser refuses, or that would expose one of the role's ZMQ sockets beyond loopback
     without CURVE keys (`curve_keys`, serve's own --zmq-curve-keys, or the role's) or --insecure:
     the process would exit at start, so the stack fails now instead of in a restart loop. Else None."""
-    from pdserve.kvtransfer.exposure import check_sockets
+    from pdserve.protocol.exposure import check_sockets
 
     parsers = _role_parsers()
     for flag, value in values.items():

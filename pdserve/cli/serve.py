@@ -31,10 +31,11 @@ import time
 import urllib.request
 import uuid
 
-from pdserve.cli.main import add_engine_args, engine_argv, resolve_model_verbosely
+from pdserve.cli.model import resolve_model_verbosely
 from pdserve.cli.preflight import check_draft_model, check_port_free, check_role_args, parse_node_args
-from pdserve.cli.processes import free_port, stop_processes
+from pdserve.engine.args import add_engine_args, engine_argv
 from pdserve.engine.loader import served_model_name
+from pdserve.utils.processes import free_port, stop_processes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,7 +112,7 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
                               *named, *secure, *(["--api-key", args.api_key] if args.api_key else []), *many,
                               *shlex.split(args.router_args)])]
     for role, count in roles:
-        module = "pdserve.decode" if role == "decode" else "pdserve.prefill"
+        module = "pdserve.decode_node" if role == "decode" else "pdserve.prefill_node"
         for i in range(count):
             argv = py + [module, "--router", control, "--node-id", f"{role}-{i}", "--num-threads", str(threads),
                          *common, *extras[role][i]]
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
     if args.zmq_curve_keys and not os.path.exists(os.path.join(args.zmq_curve_keys, "server.key_secret")):
-        from pdserve.kvtransfer.curve import generate_keys
+        from pdserve.protocol.curve import generate_keys
 
         generate_keys(args.zmq_curve_keys)
     stopping = [False]

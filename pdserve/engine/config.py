@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.dtypes import parse_dtype
 from pdserve.engine.scheduling_policy import (
     DEFAULT_SCHEDULING_POLICY,
     DEFAULT_SJF_AGING_S,
@@ -16,6 +15,7 @@ from pdserve.engine.scheduling_policy import (
     check_scheduling_values,
 )
 from pdserve.engine.spec_decode.config import SpeculativeConfig
+from pdserve.kvcache.dtypes import parse_dtype
 
 
 @dataclass

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.utils.cache import cache_dir
+
 if TYPE_CHECKING:
     import torch
 
@@ -53,12 +55,6 @@ def served_model_name(model: str | os.PathLike, override: str | None = None) -> 
         return DEFAULT_MODEL_ALIAS
     path = Path(model).expanduser()
     return path.stem if path.suffix.lower() == ".gguf" else path.resolve().name
-
-
-def cache_dir() -> Path:
-    """Root of pdserve's cache: $PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
-    root = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "pdserve"
 
 
 def models_dir() -> Path:

@@ -41,7 +41,6 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from pdserve.engine.parallel import state
-from pdserve.engine.parallel.kv_shards import KVShard
 from pdserve.engine.parallel.layers import pack_cpu_linears
 from pdserve.engine.parallel.sharding import check_tp, num_kv_heads_per_rank
 from pdserve.engine.parallel.step_wire import HostBatch, Step
@@ -50,6 +49,7 @@ from pdserve.engine.sampler import Sampler, SamplingInput, argmax_rows
 from pdserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pdserve.engine.step_timings import StepTimings
 from pdserve.kernels import cpu_native
+from pdserve.kvcache.shard import KVShard
 
 logger = logging.getLogger(__name__)
 

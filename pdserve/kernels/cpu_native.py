@@ -83,7 +83,7 @@ def _build_dir() -> tuple[Path, list[str]]:
     `make install` filled: a build belongs to its environment, whatever PDSERVE_CACHE_DIR a
     process sets), else pdserve's cache directory when the environment is read-only and holds no
     build of this hash (a container's venv holds the one its image built: docker/Dockerfile)."""
-    from pdserve.engine.loader import cache_dir  # here: pdserve.engine imports this package
+    from pdserve.utils.cache import cache_dir
 
     flags = compile_flags()
     tag = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]

@@ -1,12 +1,9 @@
-"""pdserve.kvtransfer: the wire between router, prefill and decode nodes (messages, sockets, KV hand-off).
+"""pdserve.kvtransfer: the KV hand-off from a prefill node's pool to a decode node's.
 
-    messages.py   every wire message (msgpack dataclasses), KVLayout included
-    sockets.py    the one socket factory (`make_socket`) and typed send/recv
-    curve.py      CURVE keys and the ZAP authenticator
-    exposure.py   which addresses other machines can reach, and the refusal to expose one without keys
+The messages it sends and the sockets it sends them on are `pdserve.protocol`'s.
     layout.py     the checks both ends make against a KVLayout (pool shape, KVReady, block ids)
     heads.py      KV heads across tensor-parallel ranks: which peer rank holds which head
-    payload.py    gather/scatter/copy a request's tokens; tensors <-> frames (dtype names: engine/dtypes.py)
+    payload.py    gather/scatter/copy a request's tokens; tensors <-> frames (dtype names: kvcache/dtypes.py)
     lease.py      how long the prefill node keeps handed-off blocks pinned
     sender.py     prefill side: KVReady, serve pulls, release on KVDone or lease expiry
     receiver.py   decode side: handshake probes, pull through a transport, KVDone

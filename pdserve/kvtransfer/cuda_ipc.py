@@ -21,11 +21,11 @@ import logging
 
 import torch
 
-from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer.heads import rank_shape
-from pdserve.kvtransfer.messages import KVLayout, KVRank
 from pdserve.kvtransfer.payload import DTYPES
 from pdserve.kvtransfer.transport import PeerPoolCopy
+from pdserve.protocol.messages import KVLayout, KVRank
 
 log = logging.getLogger(__name__)
 

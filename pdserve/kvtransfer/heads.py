@@ -1,7 +1,7 @@
 """KV heads across tensor-parallel ranks, for the hand-off between nodes of different TP sizes.
 
 A node's pool is split by KV head: rank r holds the model's heads [head_start, head_end) in a pool
-of its own (engine.parallel.kv_shards.KVShard), every rank with the same block ids. When the TP
+of its own (kvcache.shard.KVShard), every rank with the same block ids. When the TP
 size exceeds the KV heads, several ranks hold the same head (replicas). The hand-off moves, for
 each rank of the decode node, exactly that rank's heads, taken from the prefill ranks that hold
 them (`cover`):
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.parallel.kv_shards import KVShard
-from pdserve.kvtransfer.messages import MAX_RANKS, KVLayout, KVRank
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer.payload import DTYPES, dtype_name, gather_tokens
+from pdserve.protocol.messages import MAX_RANKS, KVLayout, KVRank
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ own destination blocks against its own pool. One function each, so both ends ref
 
 from __future__ import annotations
 
-from pdserve.kvtransfer.messages import KVLayout, KVReady
 from pdserve.kvtransfer.payload import DTYPES
+from pdserve.protocol.messages import KVLayout, KVReady
 
 
 def layout_shape(layout: KVLayout) -> tuple[int, ...]:

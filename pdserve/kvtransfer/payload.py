@@ -20,7 +20,7 @@ import warnings
 import torch
 
 # The one table between dtype names (on the wire, in KVLayout and KVData) and torch dtypes.
-from pdserve.engine.dtypes import DTYPE_NAMES, DTYPES, dtype_name  # noqa: F401 (the one table, re-exported)
+from pdserve.kvcache.dtypes import DTYPE_NAMES, DTYPES, dtype_name  # noqa: F401 (the one table, re-exported)
 
 
 def slot_ids(block_ids: list[int], block_size: int, num_tokens: int, device: torch.device | str = "cpu"

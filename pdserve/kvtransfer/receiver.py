@@ -41,18 +41,21 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer.cuda_ipc import CudaIpcTransport
-from pdserve.kvtransfer.curve import (
+from pdserve.kvtransfer.heads import as_shards, check_shards, ranks_error, with_ranks
+from pdserve.kvtransfer.layout import blocks_error, ready_error
+from pdserve.kvtransfer.shm import SharedMemoryTransport
+from pdserve.kvtransfer.transport import KVTransport, Outcome, TransferState
+from pdserve.kvtransfer.zmq_pull import ZmqPullTransport
+from pdserve.protocol.curve import (
     SOCKET_REFUSAL_REASONS,
     CurveKeys,
     HandshakeFailures,
     close_server,
     monitor_handshakes,
 )
-from pdserve.kvtransfer.heads import as_shards, check_shards, ranks_error, with_ranks
-from pdserve.kvtransfer.layout import blocks_error, ready_error
-from pdserve.kvtransfer.messages import (
+from pdserve.protocol.messages import (
     Handshake,
     HandshakeAck,
     KVData,
@@ -64,10 +67,7 @@ from pdserve.kvtransfer.messages import (
     Message,
     MessageError,
 )
-from pdserve.kvtransfer.shm import SharedMemoryTransport
-from pdserve.kvtransfer.sockets import KV_MAX_BYTES, drain, endpoint, make_socket, send_msg
-from pdserve.kvtransfer.transport import KVTransport, Outcome, TransferState
-from pdserve.kvtransfer.zmq_pull import ZmqPullTransport
+from pdserve.protocol.sockets import KV_MAX_BYTES, drain, endpoint, make_socket, send_msg
 
 log = logging.getLogger(__name__)
 

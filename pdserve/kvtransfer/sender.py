@@ -37,14 +37,16 @@ from typing import Protocol
 import torch
 import zmq
 
-from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer import cuda_ipc
-from pdserve.kvtransfer.curve import CurveKeys
-from pdserve.kvtransfer.exposure import exposure_message, is_local
 from pdserve.kvtransfer.heads import as_shards, check_shards, gather_heads, ranges_error, with_ranks
 from pdserve.kvtransfer.layout import ready_error
 from pdserve.kvtransfer.lease import LeaseTable
-from pdserve.kvtransfer.messages import (
+from pdserve.kvtransfer.payload import tensor_to_frame
+from pdserve.kvtransfer.shm import SharedKVPool
+from pdserve.protocol.curve import CurveKeys
+from pdserve.protocol.exposure import exposure_message, is_local
+from pdserve.protocol.messages import (
     Handshake,
     HandshakeAck,
     KVData,
@@ -57,9 +59,7 @@ from pdserve.kvtransfer.messages import (
     Message,
     MessageError,
 )
-from pdserve.kvtransfer.payload import tensor_to_frame
-from pdserve.kvtransfer.shm import SharedKVPool
-from pdserve.kvtransfer.sockets import CONTROL_MAX_BYTES, drain, make_socket, send_msg
+from pdserve.protocol.sockets import CONTROL_MAX_BYTES, drain, make_socket, send_msg
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ import time
 import torch
 
 from pdserve.kvtransfer.heads import rank_shape
-from pdserve.kvtransfer.messages import KVLayout
 from pdserve.kvtransfer.payload import DTYPES, dtype_name
 from pdserve.kvtransfer.transport import PeerPoolCopy
+from pdserve.protocol.messages import KVLayout
 
 log = logging.getLogger(__name__)
 

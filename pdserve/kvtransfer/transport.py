@@ -38,10 +38,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer.heads import Piece, as_shards, cover, rank_bytes_per_token
-from pdserve.kvtransfer.messages import KVData, KVLayout, KVReady, Message
 from pdserve.kvtransfer.payload import copy_tokens
+from pdserve.protocol.messages import KVData, KVLayout, KVReady, Message
 
 Send = Callable[[Message], bool]  # a message to this peer over the receiver's socket; False if it could not go
 

@@ -14,9 +14,9 @@ the receiver falls back to this transport when a same-host copy would race the p
 
 from __future__ import annotations
 
-from pdserve.kvtransfer.messages import KVData, KVLayout, KVPull, KVReady
 from pdserve.kvtransfer.payload import frame_to_tensor, scatter_tokens
 from pdserve.kvtransfer.transport import KVTransport, Outcome, Send
+from pdserve.protocol.messages import KVData, KVLayout, KVPull, KVReady
 
 
 class ZmqPullTransport(KVTransport):

@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pdserve.kvtransfer.exposure import INSECURE_HELP, check_or_warn, node_sockets
+from pdserve.engine.args import add_engine_args
+from pdserve.protocol.exposure import INSECURE_HELP, check_or_warn, node_sockets
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
     """Flags every serving node takes, plus the engine flags (named as vLLM names them)."""
-    from pdserve.cli.main import add_engine_args  # here, not at the top: cli.main imports this module
-
     parser.add_argument("--router", required=True, action="append", metavar="ADDR",
                         help="a router's control address, e.g. tcp://127.0.0.1:5555; repeat it or give a comma list "
                              "for several routers (the node registers with each); a host name stands for every "
@@ -51,7 +50,7 @@ def load_curve_keys(args: argparse.Namespace):
     """The CURVE keys named by --zmq-curve-keys (None without the flag)."""
     if not getattr(args, "zmq_curve_keys", None):
         return None
-    from pdserve.kvtransfer.curve import CurveKeys
+    from pdserve.protocol.curve import CurveKeys
 
     return CurveKeys.load(args.zmq_curve_keys)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pdserve.engine.dtypes import dtype_name
-from pdserve.kvtransfer.messages import KVLayout, Register, Token
+from pdserve.kvcache.dtypes import dtype_name
 from pdserve.node.router_link import host_id
+from pdserve.protocol.messages import KVLayout, Register, Token
 
 
 def token_events(request) -> list[Token]:
@@ -47,7 +47,7 @@ def kv_shards(engine, shm_pool=None) -> list:
     runner's shards (tensor parallelism: the node process maps every rank's pool), or, from a
     runner without them, one shard holding every head. `shm_pool`: the SharedKVPool the node's
     allocator put rank 0's pool in, named in its shard when the runner did not name it already."""
-    from pdserve.engine.parallel.kv_shards import KVShard  # torch: only where an engine runs
+    from pdserve.kvcache.shard import KVShard  # torch: only where an engine runs
 
     runner = engine.runner
     shards = list(getattr(runner, "kv_shards", None) or [])

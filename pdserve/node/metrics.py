@@ -5,7 +5,7 @@ Most of them are read from the node's state when Prometheus scrapes (`NodeSnapsh
 node's `metrics_snapshot()` in the status thread), so the engine loop pays nothing per step. The
 KV transfer histograms are observed when a transfer ends (decode side: pull start → "done").
 A decode node also exports the peers its KV socket refused (`pdserve_auth_refusals_total{reason}`,
-counted by its KVReceiver; see kvtransfer.curve for the reasons), and the KV bytes each of its
+counted by its KVReceiver; see protocol.curve for the reasons), and the KV bytes each of its
 tensor-parallel ranks received (`pdserve_kv_bytes_received_by_rank_total{rank}`: exactly the bytes
 of that rank's KV heads; one series per rank, rank "0" alone without tensor parallelism).
 Every series carries `node_id` and `role` labels; names follow vLLM's where it has the metric.

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.kvtransfer.messages import (
+from pdserve.protocol.messages import (
     MAX_MESSAGE_BYTES,
     Deregister,
     Heartbeat,
@@ -24,7 +24,7 @@ from pdserve.kvtransfer.messages import (
     Reregister,
     decode,
 )
-from pdserve.kvtransfer.sockets import make_socket
+from pdserve.protocol.sockets import make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RouterLink:
         self.heartbeat_s = heartbeat_s
         self.router_addr = router_addr
         self.ctx = ctx or zmq.Context.instance()
-        self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate to a CURVE router
+        self.curve = curve  # protocol.curve.CurveKeys: authenticate to a CURVE router
         self.num_dropped = 0  # messages dropped because the router was unreachable
         self.num_reregistered = 0
         self.sock = self._socket(register.node_id)

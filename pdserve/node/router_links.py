@@ -31,9 +31,9 @@ from collections.abc import Callable
 
 import zmq
 
-from pdserve.kvtransfer.messages import Abort, Heartbeat, Message, PrefillRequest, Register, TokenBatch
 from pdserve.node.router_discovery import RouterDiscovery
 from pdserve.node.router_link import RouterLink
+from pdserve.protocol.messages import Abort, Heartbeat, Message, PrefillRequest, Register, TokenBatch
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from pdserve.engine.loader import served_model_name
-from pdserve.kvtransfer.exposure import InsecureExposureError
 from pdserve.node.args import check_exposure, load_curve_keys
 from pdserve.node.faults import FaultInjection
 from pdserve.node.messages import register_message
@@ -35,6 +34,7 @@ from pdserve.node.router_link import RouterLink, advertise_host
 from pdserve.node.router_links import RouterLinks
 from pdserve.node.stats import StatsLogger
 from pdserve.node.status_server import StatusServer
+from pdserve.protocol.exposure import InsecureExposureError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,7 +64,7 @@ class NodeSetup:
     served_model_name: str
     host: str  # the host peers reach this node's endpoints at
     status_url: str  # advertised in Register.metrics_url
-    curve: object  # kvtransfer.curve.CurveKeys, or None
+    curve: object  # protocol.curve.CurveKeys, or None
     faults: FaultInjection | None
     stack: ExitStack
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from pdserve.cli.processes import free_port, stop_processes
+from pdserve.utils.processes import free_port, stop_processes
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0

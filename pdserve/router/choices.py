@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.engine.request import child_id
-from pdserve.kvtransfer.messages import Abort, Error, PrefillRequest
+from pdserve.protocol.messages import Abort, Error, PrefillRequest
 from pdserve.router.openai_responses import usage
 from pdserve.router.registry import Route
 from pdserve.router.request_state import Delta, RouterError, RouterRequest, RouterRequestStatus

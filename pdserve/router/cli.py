@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 
 from pdserve.engine.loader import DEFAULT_MODEL_ALIAS, served_model_name
-from pdserve.kvtransfer.exposure import INSECURE_HELP, InsecureExposureError, check_or_warn, router_sockets
+from pdserve.protocol.exposure import INSECURE_HELP, InsecureExposureError, check_or_warn, router_sockets
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S
 from pdserve.router.registry import DEFAULT_MAX_QUEUE
 from pdserve.router.saturation import DEFAULT_MAX_LAG_S
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve router: error: {e}", file=sys.stderr)
         return 2
 
-    from pdserve.kvtransfer.curve import CurveKeys
+    from pdserve.protocol.curve import CurveKeys
     from pdserve.router.access_log import RouterAccessLogger
     from pdserve.router.app import create_app
     from pdserve.router.router import Router
@@ -150,8 +150,8 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> int:
     them (router/api_servers.py). Each child gets this command line with its own control
     address, index and the shared instance id and port appended (argparse keeps the last value)."""
     from pdserve.cli.preflight import check_port_free
-    from pdserve.cli.processes import free_port
     from pdserve.router.api_servers import control_addresses, run_api_servers
+    from pdserve.utils.processes import free_port
 
     n = args.api_server_count
     try:

@@ -1,6 +1,6 @@
 """The router's control socket: one ZMQ ROUTER socket that every node connects to.
 
-Each message is [identity, kvtransfer.messages.encode(msg)]; nodes connect DEALER sockets whose
+Each message is [identity, protocol.messages.encode(msg)]; nodes connect DEALER sockets whose
 identity is their node_id. The receive loop hands each decoded message to the router's handler
 (router/handlers.py); a message it cannot decode (garbage, a wrong frame count, an unknown type or
 protocol version) and any error the handler raises are logged, and the loop goes on. What the
@@ -17,7 +17,7 @@ router sends on it, and who decides to:
 Sends never block: a node that stopped reading, or one that is not connected, makes the send
 fail (ROUTER_MANDATORY), and the caller decides what that means.
 
-With CURVE keys (kvtransfer.curve) the socket is a CURVE server and:
+With CURVE keys (protocol.curve) the socket is a CURVE server and:
 
   - every message is received with copy=False so its connection's ZMQ "User-Id" is known: the
     z85 public key the peer authenticated with (pyzmq's authenticator sets it). The handler gets
@@ -45,15 +45,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.kvtransfer.curve import (
+from pdserve.protocol.curve import (
     HandshakeFailures,
     OnRefused,
     close_server,
     monitor_handshakes,
     stop_authenticator,
 )
-from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, TokenBatch, decode, encode
-from pdserve.kvtransfer.sockets import endpoint, make_socket
+from pdserve.protocol.messages import MAX_MESSAGE_BYTES, Message, MessageError, TokenBatch, decode, encode
+from pdserve.protocol.sockets import endpoint, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class ControlSocket:
     def __init__(self, bind_addr: str, *, curve=None, on_refused: OnRefused | None = None,
                  on_token_batch: Callable[[float, int], None] | None = None) -> None:
         self.bind_addr = bind_addr
-        self.curve = curve  # kvtransfer.curve.CurveKeys: only nodes holding the cluster's keys get in
+        self.curve = curve  # protocol.curve.CurveKeys: only nodes holding the cluster's keys get in
         self.on_refused = on_refused or (lambda reason, peer: None)  # (reason, peer): may run in the ZAP thread
         self.addr = ""
         self._ctx: zmq.asyncio.Context | None = None

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.kvtransfer.messages import (
+from pdserve.protocol.messages import (
     Abort,
     Deregister,
     Error,
@@ -75,7 +75,7 @@ class NodeMessages:
     parked: dict[str, tuple[RouterRequest, float, str]]
     metrics: RouterMetrics
     control: ControlSocket
-    curve: object  # kvtransfer.curve.CurveKeys, or None
+    curve: object  # protocol.curve.CurveKeys, or None
     node_keys: dict[str, str]  # CURVE only: node id → the z85 public key it registered with
     _taken_logged: set[tuple[str, str]]  # (node id, key) whose node_id_taken refusal was logged
     _reregister_sent: dict[str, float]  # node id → when we last asked it to register

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from pdserve.kvtransfer.curve import AUTH_REFUSAL_REASONS
+from pdserve.protocol.curve import AUTH_REFUSAL_REASONS
 from pdserve.router.request_state import RouterRequest
 
 # vLLM's buckets, with a few lower ones added: CPU nodes on tiny models answer in milliseconds.

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.kvtransfer.messages import Heartbeat, Register
+from pdserve.protocol.messages import Heartbeat, Register
 
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer, add_tokens_batch
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import Token
+from pdserve.protocol.messages import Token
 
 _NEG_INF_LOGPROB = -9999.0  # JSON has no -inf; vLLM sends this value too
 

@@ -38,7 +38,7 @@ import gc
 import logging
 import time
 
-from pdserve.kvtransfer.messages import Abort, Message, PrefillRequest, Token
+from pdserve.protocol.messages import Abort, Message, PrefillRequest, Token
 from pdserve.router.choices import ChoiceGroup, ParallelSampling
 from pdserve.router.control import ControlSocket
 from pdserve.router.handlers import NodeMessages
@@ -71,7 +71,7 @@ class Router(NodeMessages, Redispatch, Monitor, ParallelSampling):
         self.parked: dict[str, tuple[RouterRequest, float, str]] = {}  # request id → (req, wait until, why)
         self.groups: dict[str, ChoiceGroup] = {}  # n > 1 requests by request id (choices.py)
         self.lost_after_s = lost_after_s if lost_after_s is not None else 2 * heartbeat_timeout_s
-        self.curve = curve  # kvtransfer.curve.CurveKeys: authenticate and encrypt the control socket
+        self.curve = curve  # protocol.curve.CurveKeys: authenticate and encrypt the control socket
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.control = ControlSocket(control_addr, curve=curve, on_refused=self._on_auth_refused,
                                      on_token_batch=functools.partial(self.metrics.add_stage, "decode"))

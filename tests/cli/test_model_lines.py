@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli.main import resolve_model_verbosely
+from pdserve.cli.model import resolve_model_verbosely
 from pdserve.engine import loader
 
 

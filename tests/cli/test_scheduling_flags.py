@@ -46,8 +46,8 @@ def test_every_engine_command_refuses_a_bad_value_naming_the_flag(command):
 
 
 def test_serve_forwards_the_scheduling_flags_to_every_node():
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
 
     parser = build_parser()
     args = parser.parse_args(["--model", "m", "--scheduling-policy", "sjf", "--sjf-length-factor", "2.5",

@@ -63,8 +63,8 @@ def _node_argv(argv: list[str]) -> list[str]:
 
 
 def test_plan_forwards_exactly_the_engine_flags_set_and_the_instance_id():
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
 
     parser = build_parser()
     args = parser.parse_args(["--model", "some/dir", "--max-num-seqs", "64", "--no-enable-prefix-caching",

@@ -101,12 +101,12 @@ def test_every_exposed_service_has_curve_keys(path):
 
 
 def test_compose_commands_pass_the_exposure_check():
-    """The same check the processes make at start (pdserve.kvtransfer.exposure), on the commands
+    """The same check the processes make at start (pdserve.protocol.exposure), on the commands
     as written: they bind 0.0.0.0 and connect to tcp://router:5555, so only their keys let them
     start; without `--zmq-curve-keys` each would be refused."""
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.kvtransfer.exposure import InsecureExposureError, check_sockets, node_sockets, router_sockets
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
+    from pdserve.protocol.exposure import InsecureExposureError, check_sockets, node_sockets, router_sockets
     from pdserve.router.cli import build_parser as router_parser
 
     roles = {"router": (router_parser, router_sockets), "prefill": (prefill_parser, node_sockets),

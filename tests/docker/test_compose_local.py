@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.bench.compose import metric_sum, parse_metrics
 from pdserve.cli.serve import free_port
-from pdserve.kvtransfer.curve import generate_keys
+from pdserve.protocol.curve import generate_keys
 from tests.conftest import save_tiny_model, save_tiny_tokenizer
 from tests.docker.compose import flag_value, services
 

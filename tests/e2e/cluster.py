@@ -17,7 +17,7 @@ from pdserve.cli.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-NODE_MODULES = {"prefill": "pdserve.prefill", "decode": "pdserve.decode", "both": "pdserve.prefill"}
+NODE_MODULES = {"prefill": "pdserve.prefill_node", "decode": "pdserve.decode_node", "both": "pdserve.prefill_node"}
 
 
 class Cluster(HttpClient):

@@ -14,7 +14,7 @@ import pytest
 import zmq.auth
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.kvtransfer.curve import generate_keys
+from pdserve.protocol.curve import generate_keys
 from tests.e2e.cluster import Cluster
 from tests.e2e.conftest import hf_greedy, prompts
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli.main import CPU_PREFILL_BATCHED_TOKENS, DEFAULT_BATCHED_TOKENS, engine_kwargs
+from pdserve.engine.args import CPU_PREFILL_BATCHED_TOKENS, DEFAULT_BATCHED_TOKENS, engine_kwargs
 
 
 def _node_args(module: str, argv: list[str]):
     if module == "prefill":
-        from pdserve.prefill.__main__ import build_parser
+        from pdserve.prefill_node.__main__ import build_parser
     else:
-        from pdserve.decode.__main__ import build_parser
+        from pdserve.decode_node.__main__ import build_parser
     return build_parser().parse_args(["--router", "tcp://127.0.0.1:1", *argv])
 
 
@@ -32,7 +32,7 @@ def test_max_num_batched_tokens_default_depends_on_role_and_device(module, argv,
 def test_offline_commands_keep_the_engine_default():
     import argparse
 
-    from pdserve.cli.main import add_engine_args
+    from pdserve.engine.args import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

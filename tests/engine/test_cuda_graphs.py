@@ -43,7 +43,7 @@ def test_capture_sizes_and_buckets():
 def test_enforce_eager_flag_reaches_the_config(tmp_path):
     import argparse
 
-    from pdserve.cli.main import add_engine_args, engine_kwargs
+    from pdserve.engine.args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from pdserve.cli.processes import free_port, stop_processes
+from pdserve.utils.processes import free_port, stop_processes
 from tests.conftest import save_tiny_model
 from tests.engine import tp_layer_script as script
 

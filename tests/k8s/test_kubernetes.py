@@ -256,8 +256,8 @@ def test_model_is_fetched_by_an_init_container_as_compose_does(name):
 
 
 def role_parsers():
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
     from pdserve.router.cli import build_parser as router_parser
 
     return {"router": router_parser, "prefill": prefill_parser, "decode": decode_parser}
@@ -272,7 +272,7 @@ def parsed_args(objs: list[dict], role: str):
 def test_args_parse_and_pass_the_exposure_check(name):
     """The roles' own parsers take the args, and pdserve's start-up check passes them only because
     of the keys: each binds 0.0.0.0 or connects to the router's Service."""
-    from pdserve.kvtransfer.exposure import InsecureExposureError, check_sockets, node_sockets, router_sockets
+    from pdserve.protocol.exposure import InsecureExposureError, check_sockets, node_sockets, router_sockets
 
     objs = overlay(name)
     for role in ROLES:

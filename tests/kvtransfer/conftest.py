@@ -13,12 +13,12 @@ import torch
 import zmq
 
 from pdserve.kvtransfer.layout import layout_shape
-from pdserve.kvtransfer.messages import KVLayout, KVRank, KVReady, Message
 from pdserve.kvtransfer.payload import DTYPES
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm import SharedKVPool
-from pdserve.kvtransfer.sockets import recv_msg
+from pdserve.protocol.messages import KVLayout, KVRank, KVReady, Message
+from pdserve.protocol.sockets import recv_msg
 
 TEST_DTYPES = ["float32", "bfloat16"]
 
@@ -109,7 +109,7 @@ def recv_within(sock: zmq.Socket, timeout_s: float = WAIT_S) -> list[bytes]:
 
 
 def recv_msg_within(sock: zmq.Socket, timeout_s: float = WAIT_S) -> Message:
-    """The next decoded message (kvtransfer.sockets.recv_msg) within `timeout_s`."""
+    """The next decoded message (protocol.sockets.recv_msg) within `timeout_s`."""
     assert sock.poll(int(timeout_s * 1000)), "nothing arrived"
     return recv_msg(sock, zmq.NOBLOCK)[1]
 

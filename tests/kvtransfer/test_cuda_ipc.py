@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.kvtransfer.messages import KVLayout, KVRank
+from pdserve.protocol.messages import KVLayout, KVRank
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs in gpu_check.sh)")]

@@ -16,7 +16,10 @@ import zmq.auth
 from zmq.auth.thread import AuthenticationThread
 from zmq.utils.monitor import recv_monitor_message
 
-from pdserve.kvtransfer.curve import (
+from pdserve.kvtransfer.payload import gather_tokens
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.protocol.curve import (
     CurveKeys,
     apply_client,
     apply_server,
@@ -25,11 +28,8 @@ from pdserve.kvtransfer.curve import (
     start_authenticator,
     stop_authenticator,
 )
-from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Heartbeat, Register
-from pdserve.kvtransfer.payload import gather_tokens
-from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.sockets import context, endpoint, make_socket, recv_msg, send_msg
+from pdserve.protocol.messages import MAX_MESSAGE_BYTES, Heartbeat, Register
+from pdserve.protocol.sockets import context, endpoint, make_socket, recv_msg, send_msg
 
 from .conftest import (
     FakeClock,
@@ -330,7 +330,7 @@ def test_the_kv_socket_counts_refused_peers_by_reason(make_curve_pair, keys, for
 
 
 def test_handshake_failures_map_events_to_reasons_and_log_once_a_minute(caplog):
-    from pdserve.kvtransfer.curve import HandshakeFailures
+    from pdserve.protocol.curve import HandshakeFailures
 
     clock, counted = FakeClock(), []
     failures = HandshakeFailures("test socket", lambda reason, peer: counted.append(reason), clock=clock)
@@ -338,7 +338,7 @@ def test_handshake_failures_map_events_to_reasons_and_log_once_a_minute(caplog):
     crypto = {"event": zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, "value": zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC}
     hung_up = {"event": zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, "value": 32}
     zap_said_no = {"event": zmq.EVENT_HANDSHAKE_FAILED_AUTH, "value": 400}  # counted by the ZAP callback
-    with caplog.at_level("WARNING", logger="pdserve.kvtransfer.curve"):
+    with caplog.at_level("WARNING", logger="pdserve.protocol.curve"):
         assert [failures.on_event(e) for e in (mismatch, crypto, hung_up, zap_said_no)] == \
             ["no_curve", "handshake", "handshake", None]
         assert counted == ["no_curve", "handshake", "handshake"]

@@ -11,10 +11,10 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.kvtransfer.messages import PrefillRequest
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot
 from pdserve.node.router_link import RouterLink, advertise_host, advertised_addr
 from pdserve.node.status_server import StatusServer
+from pdserve.protocol.messages import PrefillRequest
 
 NODE = {"node_id": "n0", "role": "prefill"}
 
@@ -113,11 +113,11 @@ class NodePair:
     socket stands in for the router and takes what the nodes send."""
 
     def __init__(self, model_dir):
-        from pdserve.decode.node import DecodeNode
+        from pdserve.decode_node.node import DecodeNode
         from pdserve.kvtransfer.receiver import KVReceiver
         from pdserve.kvtransfer.sender import KVSender
         from pdserve.node.messages import kv_layout, register_message
-        from pdserve.prefill.node import PrefillNode
+        from pdserve.prefill_node.node import PrefillNode
 
         self.router = zmq.Context.instance().socket(zmq.ROUTER)
         self.router.bind("tcp://127.0.0.1:*")

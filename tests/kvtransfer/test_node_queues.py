@@ -7,8 +7,8 @@ import time
 
 import zmq
 
-from pdserve.kvtransfer.messages import Error, PrefillRequest, decode
 from pdserve.node.router_link import RouterLink
+from pdserve.protocol.messages import Error, PrefillRequest, decode
 from tests.kvtransfer.test_node_metrics import make_engine
 
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -31,7 +31,7 @@ def errors_from(sock, timeout_s: float = 5.0) -> list[Error]:
 
 def test_prefill_queue_limit(tiny_llama, no_leak):
     from pdserve.node.messages import register_message
-    from pdserve.prefill.node import PrefillNode
+    from pdserve.prefill_node.node import PrefillNode
 
     router, addr = router_socket()
     engine = make_engine(tiny_llama)
@@ -52,9 +52,9 @@ def test_prefill_queue_limit(tiny_llama, no_leak):
 
 
 def test_decode_queue_limit(tiny_llama, no_leak):
-    from pdserve.decode.node import DecodeNode
-    from pdserve.kvtransfer.messages import KVReady
+    from pdserve.decode_node.node import DecodeNode
     from pdserve.node.messages import kv_layout, register_message
+    from pdserve.protocol.messages import KVReady
 
     router, addr = router_socket()
     engine = make_engine(tiny_llama)

@@ -7,10 +7,10 @@ import time
 
 import zmq
 
-from pdserve.kvtransfer.messages import Abort, Deregister, Register, Reregister, decode
-from pdserve.kvtransfer.sockets import endpoint, make_socket
 from pdserve.node.router_link import RouterLink
 from pdserve.node.runtime import serve_node
+from pdserve.protocol.messages import Abort, Deregister, Register, Reregister, decode
+from pdserve.protocol.sockets import endpoint, make_socket
 
 
 def register_msg() -> Register:

@@ -2,8 +2,8 @@ import msgpack
 import pytest
 import zmq
 
-from pdserve.kvtransfer.messages import KVDone, KVPull, MessageError
-from pdserve.kvtransfer.sockets import drain, endpoint, make_socket, recv_msg, send_msg
+from pdserve.protocol.messages import KVDone, KVPull, MessageError
+from pdserve.protocol.sockets import drain, endpoint, make_socket, recv_msg, send_msg
 
 from .conftest import recv_msg_within, send_within
 
@@ -61,7 +61,7 @@ def test_unknown_router_peer_raises(router_dealer):
 
 
 def test_handshake_with_probe_token_round_trips():
-    from pdserve.kvtransfer.messages import Handshake, KVLayout, KVRank, decode
+    from pdserve.protocol.messages import Handshake, KVLayout, KVRank, decode
     layout = KVLayout(model="m", dtype="bfloat16", num_layers=30, num_kv_heads=3, head_dim=64, block_size=16,
                       num_blocks=100, ranks=[KVRank(0, 3, shm_name="pdserve-x-1-2-ab", probe_token="00ff" * 8)])
     assert decode(Handshake("p0", layout).encode()) == Handshake("p0", layout)

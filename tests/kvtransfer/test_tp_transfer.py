@@ -14,12 +14,17 @@ import pytest
 import torch
 import zmq
 
-from pdserve.engine.parallel.kv_shards import KVShard
 from pdserve.engine.parallel.sharding import kv_head_range
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer import transport
 from pdserve.kvtransfer.heads import Piece, cover, ranges_error
 from pdserve.kvtransfer.layout import layout_shape
-from pdserve.kvtransfer.messages import (
+from pdserve.kvtransfer.payload import DTYPES, frame_to_tensor, gather_tokens
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import SharedKVPool
+from pdserve.node.messages import kv_shards
+from pdserve.protocol.messages import (
     Handshake,
     HandshakeAck,
     KVData,
@@ -29,12 +34,7 @@ from pdserve.kvtransfer.messages import (
     KVReady,
     decode,
 )
-from pdserve.kvtransfer.payload import DTYPES, frame_to_tensor, gather_tokens
-from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.shm import SharedKVPool
-from pdserve.kvtransfer.sockets import endpoint, make_socket, send_msg
-from pdserve.node.messages import kv_shards
+from pdserve.protocol.sockets import endpoint, make_socket, send_msg
 
 from .conftest import (
     EveryNthPull,

@@ -9,11 +9,11 @@ import pytest
 import torch
 import zmq
 
-from pdserve.kvtransfer.messages import Handshake, HandshakeAck, KVData, KVReady
 from pdserve.kvtransfer.payload import gather_tokens
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.sockets import make_socket, send_msg
+from pdserve.protocol.messages import Handshake, HandshakeAck, KVData, KVReady
+from pdserve.protocol.sockets import make_socket, send_msg
 
 from .conftest import (
     TEST_DTYPES,

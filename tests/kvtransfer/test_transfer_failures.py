@@ -8,11 +8,11 @@ import torch
 import zmq
 
 from pdserve.kvtransfer import sender as sender_module
-from pdserve.kvtransfer.curve import CurveKeys, generate_keys
-from pdserve.kvtransfer.messages import Handshake, HandshakeAck, KVDone, KVPull
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.sockets import make_socket, recv_msg, send_msg
+from pdserve.protocol.curve import CurveKeys, generate_keys
+from pdserve.protocol.messages import Handshake, HandshakeAck, KVDone, KVPull
+from pdserve.protocol.sockets import make_socket, recv_msg, send_msg
 
 from .conftest import (
     EveryNthPull,
@@ -202,7 +202,7 @@ def test_injected_kv_faults_fail_the_pull_and_release_once(make_pair, kind, pull
     pair.released.assert_released_once(["r0", "r1"])
 
 
-# ---- no KV in clear beyond loopback (kvtransfer.exposure) ---------------------------------------
+# ---- no KV in clear beyond loopback (protocol.exposure) ---------------------------------------
 def _sender(closing, released, errors, **kw) -> KVSender:
     layout = make_layout()
     sender = KVSender("p0", layout, make_pool(layout), released, on_error=lambda rid, msg: errors.append((rid, msg)),

@@ -4,7 +4,7 @@ and bytes per transport name, and a new backend added as one class plus one list
 
 import pytest
 
-from pdserve.engine.parallel.kv_shards import KVShard
+from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.layout import bytes_per_token
 from pdserve.kvtransfer.payload import gather_tokens

@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from pdserve.engine.request import RequestStatus
-from pdserve.kvtransfer.messages import Abort, Error, KVReady, decode
 from pdserve.kvtransfer.receiver import KVEvent, KVEventKind
 from pdserve.node.faults import FaultInjection
 from pdserve.node.router_link import RouterLink
+from pdserve.protocol.messages import Abort, Error, KVReady, decode
 from tests.kvtransfer.test_node_metrics import make_engine
 
 GREEDY = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -60,7 +60,7 @@ def router():
 
 
 def make_node(tiny_llama, addr, **kw):
-    from pdserve.decode.node import DecodeNode
+    from pdserve.decode_node.node import DecodeNode
     from pdserve.node.messages import register_message
 
     engine = make_engine(tiny_llama)

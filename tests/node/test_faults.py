@@ -64,8 +64,8 @@ def test_pull_delay():
 
 
 def test_hidden_flags_still_parse():
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
 
     args = prefill_parser().parse_args(["--router", "tcp://x:1", "--inject-kv-fault", "corrupt:2",
                                         "--step-delay-s", "0.4"])

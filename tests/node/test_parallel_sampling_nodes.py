@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.request import child_id
-from pdserve.kvtransfer.messages import Abort, FirstToken, PrefillRequest, TokenBatch, decode
+from pdserve.protocol.messages import Abort, FirstToken, PrefillRequest, TokenBatch, decode
 from tests.conftest import assert_no_leak
 from tests.engine.test_generate_parity import hf_greedy, make_prompts
 from tests.kvtransfer.test_node_metrics import NodePair, samples, value

@@ -10,7 +10,9 @@ import time
 import pytest
 import zmq
 
-from pdserve.kvtransfer.messages import (
+from pdserve.node.router_discovery import RouterDiscovery, parse_router_specs, resolve
+from pdserve.node.router_links import ROUTER_GONE, RouterLinks
+from pdserve.protocol.messages import (
     Error,
     FirstToken,
     Heartbeat,
@@ -20,9 +22,7 @@ from pdserve.kvtransfer.messages import (
     TokenBatch,
     decode,
 )
-from pdserve.kvtransfer.sockets import endpoint, make_socket
-from pdserve.node.router_discovery import RouterDiscovery, parse_router_specs, resolve
-from pdserve.node.router_links import ROUTER_GONE, RouterLinks
+from pdserve.protocol.sockets import endpoint, make_socket
 
 
 class FakeRouter:
@@ -245,8 +245,8 @@ def test_no_router_at_all_drops_sends_without_blocking():
 
 def test_every_router_address_passes_the_exposure_check():
     """Each --router address is checked at start: one beyond loopback needs CURVE keys."""
-    from pdserve.decode.__main__ import build_parser
-    from pdserve.kvtransfer.exposure import InsecureExposureError, check_sockets, node_sockets
+    from pdserve.decode_node.__main__ import build_parser
+    from pdserve.protocol.exposure import InsecureExposureError, check_sockets, node_sockets
 
     local = build_parser().parse_args(["--router", "tcp://127.0.0.1:1,tcp://localhost:2", "--router", "ipc:///tmp/r"])
     assert [s[0] for s in node_sockets(local)][:3] == ["tcp://127.0.0.1:1", "tcp://localhost:2", "ipc:///tmp/r"]

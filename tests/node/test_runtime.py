@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from pdserve.kvtransfer.messages import Deregister, Register, decode
 from pdserve.node.args import add_node_args
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot
 from pdserve.node.runtime import run_node
+from pdserve.protocol.messages import Deregister, Register, decode
 
 
 def _health(url: str) -> int:

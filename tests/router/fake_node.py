@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import (
+from pdserve.protocol.messages import (
     Abort,
     Deregister,
     Error,

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.cli.serve import build_parser as serve_parser
 from pdserve.cli.serve import plan
-from pdserve.decode.__main__ import build_parser as decode_parser
+from pdserve.decode_node.__main__ import build_parser as decode_parser
 from pdserve.node.router_discovery import parse_router_specs
 from pdserve.router.api_servers import ApiServers, control_addresses
 from pdserve.router.cli import main as router_main

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from pdserve.kvtransfer.messages import (
+from pdserve.protocol.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     Abort,

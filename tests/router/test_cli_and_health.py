@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from pdserve.engine.loader import served_model_name
-from pdserve.kvtransfer.curve import CurveKeys, generate_keys
+from pdserve.protocol.curve import CurveKeys, generate_keys
 from pdserve.router import cli
 from pdserve.router.access_log import RouterAccessLogger
 from pdserve.router.app import INSTANCE_ID_KEY, ROUTER_KEY, create_app

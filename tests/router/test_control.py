@@ -9,8 +9,8 @@ import re
 import pytest
 import zmq
 
-from pdserve.kvtransfer.curve import CurveKeys, apply_client, generate_keys
-from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES
+from pdserve.protocol.curve import CurveKeys, apply_client, generate_keys
+from pdserve.protocol.messages import MAX_MESSAGE_BYTES
 from pdserve.router.control import ControlSocket
 from pdserve.router.router import Router
 from tests.router.conftest import MODEL, run, wait_until
@@ -94,7 +94,7 @@ def test_curve_admits_only_nodes_with_the_keys(tokenizer, tmp_path):
 def test_a_flood_of_ready_messages_does_not_starve_the_event_loop():
     """Messages already queued make every receive complete at once, so without yielding the loop
     would handle all of them before any HTTP handler ran again: it yields every YIELD_EVERY."""
-    from pdserve.kvtransfer.messages import Heartbeat, encode
+    from pdserve.protocol.messages import Heartbeat, encode
     from pdserve.router.control import YIELD_EVERY
 
     num_messages = 20 * YIELD_EVERY

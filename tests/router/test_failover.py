@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.kvtransfer.messages import Heartbeat
+from pdserve.protocol.messages import Heartbeat
 from tests.router.conftest import run, serving, wait_until
 from tests.router.fake_node import FakeNode
 
@@ -226,7 +226,7 @@ def test_parked_request_fails_after_retry_wait_and_disconnect_unparks(tokenizer)
 
 def test_two_failure_reports_for_one_attempt_retry_it_once(tokenizer):
     async def scenario():
-        from pdserve.kvtransfer.messages import Error
+        from pdserve.protocol.messages import Error
 
         p0, d0, d1 = cluster(("p0", "prefill", {}), ("d0", "decode", {"token_delay_s": 0.05}),
                              ("d1", "decode", {"token_delay_s": 0.05}))

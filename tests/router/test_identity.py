@@ -13,8 +13,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from pdserve.kvtransfer.curve import AUTH_REFUSAL_REASONS, CurveKeys, generate_keys
-from pdserve.kvtransfer.messages import Heartbeat, Message, Register, Token, TokenBatch
+from pdserve.protocol.curve import AUTH_REFUSAL_REASONS, CurveKeys, generate_keys
+from pdserve.protocol.messages import Heartbeat, Message, Register, Token, TokenBatch
 from tests.router.conftest import run, serving, wait_until
 from tests.router.test_control import CurveNode
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from pdserve.kvtransfer.messages import Heartbeat, Register
+from pdserve.protocol.messages import Heartbeat, Register
 from pdserve.router.control import ControlSocket
 from pdserve.router.monitor import Monitor
 from pdserve.router.registry import Registry

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kvtransfer.messages import Heartbeat, Register
+from pdserve.protocol.messages import Heartbeat, Register
 from pdserve.router.registry import NoNodeError, OverloadedError, Registry
 
 

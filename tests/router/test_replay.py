@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import Token, TokenBatch, decode
+from pdserve.protocol.messages import Token, TokenBatch, decode
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat
 from pdserve.router.request_state import RouterRequest
 from pdserve.router.router import Router

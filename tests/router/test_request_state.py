@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import Token
+from pdserve.protocol.messages import Token
 from pdserve.router.request_state import RouterError, RouterRequest, RouterRequestStatus
 
 

@@ -1,4 +1,4 @@
-"""Secure by default beyond loopback (pdserve.kvtransfer.exposure): a ZMQ socket other machines
+"""Secure by default beyond loopback (pdserve.protocol.exposure): a ZMQ socket other machines
 can reach is refused at start without CURVE keys, in one line and before the model loads; with
 --insecure the process starts and says what that exposes; loopback-only and keyed stacks start
 with no warning."""
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.serve import free_port
-from pdserve.kvtransfer.curve import generate_keys
-from pdserve.kvtransfer.exposure import (
+from pdserve.protocol.curve import generate_keys
+from pdserve.protocol.exposure import (
     InsecureExposureError,
     check_exposed,
     check_or_warn,
@@ -112,8 +112,8 @@ def test_check_or_warn_warns_only_for_insecure_exposed_sockets(caplog):
 
 
 def test_which_node_sockets_are_checked():
-    from pdserve.decode.__main__ import build_parser as decode_parser
-    from pdserve.prefill.__main__ import build_parser as prefill_parser
+    from pdserve.decode_node.__main__ import build_parser as decode_parser
+    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
 
     decode = decode_parser().parse_args(["--router", "tcp://127.0.0.1:1", "--host", "0.0.0.0", "--kv-port", "9200"])
     assert [a for a, _, _ in node_sockets(decode)] == ["tcp://127.0.0.1:1", "tcp://0.0.0.0:9200"]
@@ -231,7 +231,7 @@ def test_router_with_keys_or_on_loopback_starts_without_warning(tmp_path, tiny_l
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("module", ["pdserve.decode", "pdserve.prefill"])
+@pytest.mark.parametrize("module", ["pdserve.decode_node", "pdserve.prefill_node"])
 def test_node_refuses_an_exposed_router_address_without_keys(module):
     port = free_port()
     line = refused(module, "--router", f"tcp://0.0.0.0:{port}", "--model", "/nonexistent")
@@ -243,7 +243,7 @@ def test_node_refuses_an_exposed_router_address_without_keys(module):
 
 @pytest.mark.timeout(60)
 def test_decode_refuses_an_exposed_kv_socket_without_keys():
-    line = refused("pdserve.decode", "--router", f"tcp://127.0.0.1:{free_port()}", "--host", "0.0.0.0",
+    line = refused("pdserve.decode_node", "--router", f"tcp://127.0.0.1:{free_port()}", "--host", "0.0.0.0",
                    "--kv-port", "9200", "--model", "/nonexistent")
     assert line.startswith("pdserve decode: error: refusing to bind the KV socket on tcp://0.0.0.0:9200 "
                            "without CURVE keys")
@@ -254,7 +254,7 @@ def test_decode_with_insecure_starts_and_warns(tmp_path, tiny_llama):
     """Exposed router link and KV socket, --insecure: the node comes up (its status server answers
     while the model loads) and the warning names both sockets."""
     status = free_port()
-    node = Started("pdserve.decode", ["--router", f"tcp://router-host:{free_port()}", "--host", "0.0.0.0",
+    node = Started("pdserve.decode_node", ["--router", f"tcp://router-host:{free_port()}", "--host", "0.0.0.0",
                                       "--status-port", str(status), "--model", str(tiny_llama), "--dtype", "float32",
                                       "--num-kv-blocks", "16", "--insecure"], tmp_path / "decode.log")
     try:

@@ -35,15 +35,15 @@ import time
 import torch
 import zmq
 
-from pdserve.cli.processes import free_port, stop_processes
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.dtypes import dtype_name
 from pdserve.engine.parallel import state
 from pdserve.engine.parallel.errors import TPStartupError, TPWorkerError
-from pdserve.engine.parallel.kv_shards import KVShard
 from pdserve.engine.parallel.rank_pools import create_shm_pool, map_cuda_pool
 from pdserve.engine.parallel.sharding import kv_head_range
 from pdserve.engine.parallel.step_wire import Step, decode_message, encode_message, encode_step
+from pdserve.kvcache.dtypes import dtype_name
+from pdserve.kvcache.shard import KVShard
+from pdserve.utils.processes import free_port, stop_processes
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 100

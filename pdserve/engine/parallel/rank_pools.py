@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.dtypes import dtype_name
 from pdserve.engine.parallel.errors import TPStartupError
+from pdserve.kvcache.dtypes import dtype_name
 
 
 def create_shm_pool(rank: int, shape: tuple[int, ...], dtype: torch.dtype):
@@ -45,7 +45,7 @@ def map_cuda_pool(rank: int, reply: dict, shape: tuple[int, ...], dtype: torch.d
 def one_pool_layout(shape: tuple[int, ...], dtype: torch.dtype, **entry):
     """A KVLayout of one pool of `shape` (its heads: shape[4]), so a rank's pool maps through the
     hand-off's own code (kvtransfer.shm / kvtransfer.cuda_ipc `open_peer_pool(layout, 0)`)."""
-    from pdserve.kvtransfer.messages import KVLayout, KVRank
+    from pdserve.protocol.messages import KVLayout, KVRank
 
     num_layers, _, num_blocks, block_size, num_heads, head_dim = shape
     return KVLayout(model="", dtype=dtype_name(dtype), num_layers=num_layers, num_kv_heads=num_heads,

@@ -103,7 +103,7 @@ class Worker:
     def allocate(self, message: dict) -> None:
         import torch
 
-        from pdserve.engine.dtypes import parse_dtype
+        from pdserve.kvcache.dtypes import parse_dtype
 
         shape, dtype = tuple(int(n) for n in message["shape"]), parse_dtype(message["dtype"])
         if tuple(self.runner.kv_shape(shape[2])) != shape or dtype != self.runner.dtype:

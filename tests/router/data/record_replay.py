@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import Token
+from pdserve.protocol.messages import Token
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat
 from pdserve.router.request_state import Delta, RouterRequest
 from tests.conftest import save_tiny_tokenizer

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.kvtransfer import messages as m
+from pdserve.protocol import messages as m
 
 RANK = m.KVRank(head_start=1, head_end=2, shm_name="pdserve-x", probe_token="ab12")
 LAYOUT = m.KVLayout(model="tiny", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16,

@@ -33,7 +33,11 @@ from typing import TYPE_CHECKING
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import (
+from pdserve.node.faults import FaultInjection
+from pdserve.node.messages import token_events
+from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
+from pdserve.node.router_link import RouterLink
+from pdserve.protocol.messages import (
     Abort,
     Error,
     FirstToken,
@@ -44,10 +48,6 @@ from pdserve.kvtransfer.messages import (
     Token,
     TokenBatch,
 )
-from pdserve.node.faults import FaultInjection
-from pdserve.node.messages import token_events
-from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
-from pdserve.node.router_link import RouterLink
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.sender import KVSender

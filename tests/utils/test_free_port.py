@@ -1,4 +1,4 @@
-"""free_port (cli/processes.py): ports below the kernel's ephemeral range, bindable, never handed twice."""
+"""free_port (utils/processes.py): ports below the kernel's ephemeral range, bindable, never handed twice."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from pdserve.cli import processes
-from pdserve.cli.processes import FREE_PORTS_BELOW_EPHEMERAL, ephemeral_ports, free_port
+from pdserve.utils import processes
+from pdserve.utils.processes import FREE_PORTS_BELOW_EPHEMERAL, ephemeral_ports, free_port
 
 
 def bindable(port: int) -> bool:

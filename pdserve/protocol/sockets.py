@@ -1,9 +1,9 @@
 """Thin pyzmq helpers: one context per process, sockets with bounded sizes, typed send/recv.
 
 A message on the wire is ``[identity (ROUTER only)] header *payload_frames``: the header is a
-msgpack `Message` (kvtransfer.messages), payload frames are raw bytes sent without copying.
+msgpack `Message` (protocol.messages), payload frames are raw bytes sent without copying.
 `recv_msg` raises `MessageError` for anything it cannot decode; callers log it and drop it.
-With `curve` keys a bound socket is a CURVE server and a connecting one a CURVE client (kvtransfer.curve).
+With `curve` keys a bound socket is a CURVE server and a connecting one a CURVE client (protocol.curve).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 
 import zmq
 
-from pdserve.kvtransfer.curve import CurveKeys, OnRefused, apply_client, apply_server
-from pdserve.kvtransfer.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode
+from pdserve.protocol.curve import CurveKeys, OnRefused, apply_client, apply_server
+from pdserve.protocol.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode
 
 CONTROL_MAX_BYTES = MAX_MESSAGE_BYTES  # a control socket never accepts a bigger frame
 # A KV socket takes payload frames up to this (a 2048-token SmolLM2 request is 47 MB in bf16).

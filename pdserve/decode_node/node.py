@@ -32,12 +32,12 @@ from collections import deque
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, child_id
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch
 from pdserve.kvtransfer.receiver import KVEventKind
 from pdserve.node.faults import FaultInjection
 from pdserve.node.messages import token_events
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.router_link import RouterLink
+from pdserve.protocol.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch
 
 logger = logging.getLogger(__name__)
 

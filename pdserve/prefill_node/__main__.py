@@ -1,4 +1,4 @@
-"""`pdserve prefill --router ADDR ...` (also `python -m pdserve.prefill`). With `--role both` the
+"""`pdserve prefill --router ADDR ...` (also `python -m pdserve.prefill_node`). With `--role both` the
 node prefills and decodes its own requests: the colocated comparison mode. The process's life is
 the node runtime's (`pdserve.node.runtime.run_node`); what is prefill's own is built here."""
 
@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-logger = logging.getLogger("pdserve.prefill")
+logger = logging.getLogger("pdserve.prefill_node")
 
 
 def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
@@ -28,8 +28,8 @@ def build_parser(prog: str = "pdserve prefill") -> argparse.ArgumentParser:
 def build_node(setup):
     """The engine (its KV pool in shared memory when a same-host decode node may map it), the
     link, and the node with its KV sender."""
-    from pdserve.cli.main import build_engine
-    from pdserve.prefill.node import PrefillNode
+    from pdserve.engine.args import build_engine
+    from pdserve.prefill_node.node import PrefillNode
 
     args = setup.args
     shm_pool = None

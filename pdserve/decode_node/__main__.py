@@ -1,4 +1,4 @@
-"""`pdserve decode --router ADDR ...` (also `python -m pdserve.decode`). The process's life is the
+"""`pdserve decode --router ADDR ...` (also `python -m pdserve.decode_node`). The process's life is the
 node runtime's (`pdserve.node.runtime.run_node`); what is decode's own is built here."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def build_parser(prog: str = "pdserve decode") -> argparse.ArgumentParser:
 
 def build_node(setup):
     """The engine, the KV socket prefill nodes hand KV to, the link, and the node."""
-    from pdserve.cli.main import build_engine
-    from pdserve.decode.node import DecodeNode
+    from pdserve.decode_node.node import DecodeNode
+    from pdserve.engine.args import build_engine
     from pdserve.kvtransfer.receiver import KVReceiver
     from pdserve.node.messages import kv_layout, kv_shards
     from pdserve.node.router_link import advertised_addr

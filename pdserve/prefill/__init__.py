@@ -1,1 +1,0 @@
-"""pdserve.prefill: the prefill node (admit prompts, prefill, first token, KV hand-off under a lease) and its process."""
