@@ -28,7 +28,7 @@ from pdserve.kvtransfer.layout import bytes_per_token, layout_shape
 from pdserve.kvtransfer.payload import DTYPES, copy_tokens, gather_tokens, scatter_tokens
 from pdserve.kvtransfer.receiver import KVEventKind, KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.shm import SharedKVPool
+from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.protocol.curve import CurveKeys, generate_keys, stop_authenticator
 from pdserve.protocol.messages import KVLayout, KVReady
 from pdserve.protocol.sockets import context

@@ -21,7 +21,7 @@ class KVShard:
     head_start: int  # first KV head this rank holds (model-wide index)
     head_end: int  # one past its last
     tensor: torch.Tensor  # [num_layers, 2, num_blocks, block_size, head_end - head_start, head_dim]
-    shm: object | None = None  # kvtransfer.shm.SharedKVPool backing `tensor`, when it is in /dev/shm
+    shm: object | None = None  # kvcache.shm_pool.SharedKVPool backing `tensor`, when it is in /dev/shm
     cuda_ipc: dict | None = None  # CUDA, rank > 0: the worker's own IPC export of its pool (kvtransfer.cuda_ipc)
 
     @property

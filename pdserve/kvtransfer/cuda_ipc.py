@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from pdserve.kvcache.cuda_pool import device_uuid, export_pool, map_pool
 from pdserve.kvcache.shard import KVShard
 from pdserve.kvtransfer.heads import rank_shape
 from pdserve.kvtransfer.payload import DTYPES
@@ -28,20 +29,6 @@ from pdserve.kvtransfer.transport import PeerPoolCopy
 from pdserve.protocol.messages import KVLayout, KVRank
 
 log = logging.getLogger(__name__)
-
-_FIELDS = ("device", "handle", "size", "offset", "ref_handle", "ref_offset", "event_handle", "event_sync")
-
-
-def device_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def export_pool(pool: torch.Tensor) -> dict:
-    """What a peer process needs to map `pool` (a CUDA tensor owned by this process)."""
-    shared = pool.untyped_storage()._share_cuda_()
-    info = dict(zip(_FIELDS, shared, strict=True))
-    info["storage_offset"] = pool.storage_offset()
-    return info
 
 
 def advertise(entry: KVRank, shard: KVShard) -> KVRank:
@@ -64,26 +51,12 @@ def advertise(entry: KVRank, shard: KVShard) -> KVRank:
 def open_peer_pool(layout: KVLayout, rank: int = 0) -> torch.Tensor | None:
     """Map the pool of the peer's rank `rank` if its device is visible here and its handle opens;
     else None."""
-    if not 0 <= rank < len(layout.ranks):
+    if not 0 <= rank < len(layout.ranks) or layout.dtype not in DTYPES:
         return None
     entry = layout.ranks[rank]
-    info = entry.cuda_ipc
-    if not info or not entry.device_uuid or layout.dtype not in DTYPES or not torch.cuda.is_available():
-        return None
-    index = next((i for i in range(torch.cuda.device_count())
-                  if device_uuid(torch.device("cuda", i)) == entry.device_uuid), None)
-    if index is None:
-        return None
-    try:
-        args = [info[f] for f in _FIELDS]
-        args[0] = index  # the device as numbered in this process
-        with torch.cuda.device(index):
-            storage = torch.UntypedStorage._new_shared_cuda(*args)
-            pool = torch.empty(0, dtype=DTYPES[layout.dtype], device=f"cuda:{index}")
-            pool.set_(storage, int(info["storage_offset"]), rank_shape(layout, entry))
-    except (KeyError, TypeError, RuntimeError) as e:
-        log.info("CUDA IPC handle of %s rank %d did not open here (%s): pulling over ZMQ", layout.model, rank, e)
-        return None
+    pool = map_pool(entry.cuda_ipc, entry.device_uuid, rank_shape(layout, entry), DTYPES[layout.dtype])
+    if pool is None and entry.cuda_ipc and entry.device_uuid:
+        log.info("no CUDA IPC mapping of %s rank %d here: pulling over ZMQ", layout.model, rank)
     return pool
 
 

@@ -5,14 +5,14 @@ import time
 
 import torch
 
-from pdserve.kvtransfer.shm import (
+from pdserve.kvcache.shm_pool import (
     PROBE_BYTES,
     SHM_DIR,
     SharedKVPool,
     _pid_namespace,
     cleanup_stale_segments,
-    open_peer_pool,
 )
+from pdserve.kvtransfer.shm import open_peer_pool
 
 from .conftest import make_layout
 
@@ -75,7 +75,7 @@ def test_cleanup_removes_segments_whose_owner_died_in_any_pid_namespace():
     """Liveness is the owner's flock, which the kernel drops when the process dies however it dies:
     a segment left by a process killed without cleanup goes, from our pid namespace or another
     (containers sharing one /dev/shm volume); a live owner's and a brand-new one's stay."""
-    code = ("import os; from pdserve.kvtransfer.shm import SharedKVPool; "
+    code = ("import os; from pdserve.kvcache.shm_pool import SharedKVPool; "
             "p = SharedKVPool.create('dead', (4, 16), __import__('torch').float32); print(p.name, flush=True); "
             "os._exit(0)")  # no atexit: the segment stays, as after kill -9
     dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -22,7 +22,7 @@ from pdserve.kvtransfer.layout import layout_shape
 from pdserve.kvtransfer.payload import DTYPES, frame_to_tensor, gather_tokens
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.shm import SharedKVPool
+from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.node.messages import kv_shards
 from pdserve.protocol.messages import (
     Handshake,

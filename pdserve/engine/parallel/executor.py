@@ -185,7 +185,7 @@ class TPExecutor:
                 tensors.append(map_cuda_pool(rank, reply, shape, dtype))
                 shms.append(None)
         else:
-            from pdserve.kvtransfer.shm import cleanup_stale_segments
+            from pdserve.kvcache.shm_pool import cleanup_stale_segments
 
             cleanup_stale_segments()  # a TP node killed with -9 left its ranks' pools behind
             self.pools = [create_shm_pool(rank, shape, dtype) for rank in range(self.size)]

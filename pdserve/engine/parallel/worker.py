@@ -111,10 +111,10 @@ class Worker:
                              f"{self.runner.dtype}{list(self.runner.kv_shape(shape[2]))}")
         extra = {}
         if self.runner.device.type == "cuda":
-            from pdserve.kvtransfer import cuda_ipc
+            from pdserve.engine.parallel.rank_pools import export_cuda_pool
 
             pool = torch.zeros(shape, dtype=dtype, device=self.runner.device)
-            extra = {"cuda_ipc": cuda_ipc.export_pool(pool), "device_uuid": cuda_ipc.device_uuid(pool.device)}
+            extra = export_cuda_pool(pool)
         else:
             from pdserve.engine.parallel.rank_pools import map_shm_pool
 
