@@ -81,8 +81,8 @@ def stack_flags(system: str, args: argparse.Namespace, dtype: str) -> tuple[dict
 
 def bench_stack(system: str, args: argparse.Namespace, dtype: str, samples: list[SampleRequest],
                 rates: list[float]) -> list[BenchmarkRun]:
+    from benchmarks.harness.stack import Stack
     from pdserve.bench.cli import first_model_id
-    from pdserve.bench.stack import Stack
 
     kw, extra = stack_flags(system, args, dtype)
     print(f"starting {system}: pdserve serve {' '.join(extra)}", flush=True)

@@ -26,8 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.bench.client import EndpointConfig
-from pdserve.bench.compose import (
+from benchmarks.harness.compose import (
     IMAGES,
     PACKAGE_PARENT,
     ComposeStack,
@@ -38,11 +37,12 @@ from pdserve.bench.compose import (
     own_shm_override,
     write_override,
 )
+from benchmarks.harness.stack import Stack
+from pdserve.bench.client import EndpointConfig
 from pdserve.bench.datasets import random_requests
 from pdserve.bench.json_out import report
 from pdserve.bench.metrics import summarize
 from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
-from pdserve.bench.stack import Stack
 
 
 def build_parser() -> argparse.ArgumentParser:

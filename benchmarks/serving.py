@@ -77,7 +77,7 @@ async def run_load(url: str, prompts: list[list[int]], max_tokens: int, concurre
 
 def run_stack(mode: str, args, prompts) -> dict:
     from benchmarks.compare import stack_flags
-    from pdserve.bench.stack import Stack
+    from benchmarks.harness.stack import Stack
 
     # Every mode gets the machine's cores: one colocated node all of them; 1P+1D by default the decode
     # node all of them and the prefill node half (disagg_threads).

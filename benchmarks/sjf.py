@@ -109,8 +109,8 @@ class PolicyStack:
     """One `pdserve serve` stack running `policy`; a context manager."""
 
     def __init__(self, args: argparse.Namespace, policy: str) -> None:
+        from benchmarks.harness.stack import Stack
         from pdserve.bench.cli import first_model_id
-        from pdserve.bench.stack import Stack
 
         extra = ["--dtype", args.dtype, "--scheduling-policy", policy, "--sjf-length-factor",
                  str(args.sjf_length_factor), "--sjf-aging-s", str(args.sjf_aging_s), *args.serve_args.split()]

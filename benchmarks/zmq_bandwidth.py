@@ -24,11 +24,11 @@ import torch
 import zmq
 
 from pdserve.bench.json_out import report
+from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.kvtransfer.layout import bytes_per_token, layout_shape
 from pdserve.kvtransfer.payload import DTYPES, copy_tokens, gather_tokens, scatter_tokens
 from pdserve.kvtransfer.receiver import KVEventKind, KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.protocol.curve import CurveKeys, generate_keys, stop_authenticator
 from pdserve.protocol.messages import KVLayout, KVReady
 from pdserve.protocol.sockets import context

@@ -13,10 +13,12 @@ One paragraph per module:
   a progress bar, and Ctrl-C keeping what finished.
 - `metrics.py` reduces the records to the summary (throughputs, mean/median/std/percentiles, goodput
   under SLOs); `report.py` prints it as vLLM's table and writes the JSON; `plots.py` draws CDFs and
-  sweep curves with matplotlib's Agg backend.
+  sweep curves with matplotlib's Agg backend (the `pdserve[bench]` extra).
 - `hf_static.py` measures transformers' static batching into the same records, the floor that
   `benchmarks/compare.py` sets beside the disaggregated and colocated stacks.
 - `chaos.py` kills or freezes random nodes during a run (`--chaos-interval`) and reports every
-  request's fate; `stack.py` starts a local `pdserve serve` and waits until it is ready (the serving
-  benchmarks and the end-to-end tests use it); `json_out.py` writes strict JSON.
+  request's fate; `json_out.py` writes strict JSON.
+
+The harness that starts a local stack or the compose stack for the benchmarks and the end-to-end
+tests is not installed with the package: `benchmarks/harness/`.
 """

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import sys
@@ -33,7 +34,6 @@ from pdserve.bench.datasets import (
 )
 from pdserve.bench.json_out import jsonable
 from pdserve.bench.metrics import parse_percentiles, parse_slos, summarize
-from pdserve.bench.plots import plot_cdfs, plot_sweep
 from pdserve.bench.report import print_summary, rate_label, save_json, sweep_table
 from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
 
@@ -178,6 +178,8 @@ def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[BenchmarkRu
     if args.save_json:
         config = jsonable({**vars(args), "api_url": cfg.api_url, "model": cfg.model, "ignore_eos": cfg.ignore_eos})
         print(f"saved {save_json(args.save_json, config, results)}")
+    if args.plot or args.sweep:
+        from pdserve.bench.plots import plot_cdfs, plot_sweep
     if args.plot:
         paths = plot_cdfs({f"rate {rate_label(run.request_rate)}": run.records for run, _ in results}, args.plot)
         print("plots: " + ", ".join(map(str, paths)))
@@ -189,6 +191,9 @@ def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[BenchmarkRu
 
 def serve(args: argparse.Namespace) -> int:
     parse_slos(args.goodput)  # fail on a bad SLO before sending anything
+    if (args.plot or args.sweep) and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("pdserve bench: --plot and --sweep draw with matplotlib, which is not installed: "
+                         "pip install 'pdserve[bench]'")
     cfg = endpoint_config(args)
     tokenizer = load_tokenizer(args.tokenizer)
     samples = build_samples(args, tokenizer, cfg.is_chat)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from benchmarks.harness.stack import Stack
 from pdserve.bench.cli import main
-from pdserve.bench.stack import Stack
 from tests.conftest import save_tiny_model, save_tiny_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

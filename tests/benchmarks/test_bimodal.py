@@ -107,7 +107,7 @@ def test_sjf_report_from_hand_built_runs(tmp_path, capsys):
 def test_sjf_benchmark_runs_both_policies_on_tiny_stacks(tmp_path):
     import subprocess
 
-    from pdserve.bench.stack import child_env
+    from benchmarks.harness.stack import child_env
     from tests.conftest import save_tiny_model, save_tiny_tokenizer
 
     model = tmp_path / "model"

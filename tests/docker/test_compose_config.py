@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from pdserve.bench.compose import compose_command
+from benchmarks.harness.compose import compose_command
 from tests.docker.compose import (
     COMPOSE_FILE,
     DASHBOARD_FILE,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.compose import (
+from benchmarks.harness.compose import (
     ComposeStack,
     EngineUnavailable,
     build_images,

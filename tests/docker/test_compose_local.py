@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.compose import metric_sum, parse_metrics
+from benchmarks.harness.compose import metric_sum, parse_metrics
 from pdserve.cli.serve import free_port
 from pdserve.protocol.curve import generate_keys
 from tests.conftest import save_tiny_model, save_tiny_tokenizer

@@ -1,6 +1,6 @@
 """A local cluster whose processes a test starts, kills (-9), stops (SIGSTOP) and restarts one by
 one: the router on fixed ports (so a restarted router is found again) and nodes by name.
-`Stack` (pdserve/bench/stack.py) starts everything through `pdserve serve` instead; both talk HTTP the same way."""
+`Stack` (benchmarks/harness/stack.py) starts everything through `pdserve serve` instead; both talk HTTP the same way."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pdserve.bench.stack import HttpClient, child_env
+from benchmarks.harness.stack import HttpClient, child_env
 from pdserve.cli.serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from pdserve.bench.stack import Stack
+from benchmarks.harness.stack import Stack
 from tests.e2e.conftest import hf_greedy as _hf_greedy
 from tests.e2e.conftest import prompts
 

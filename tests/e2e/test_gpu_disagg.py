@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.bench.stack import Stack
+from benchmarks.harness.stack import Stack
 from tests.e2e.test_disaggregated import completion, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e,

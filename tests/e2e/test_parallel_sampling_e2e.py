@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.stack import Stack
+from benchmarks.harness.stack import Stack
 from tests.e2e.conftest import hf_greedy, prompts
 from tests.e2e.test_disaggregated import SMALL_POOL, assert_idle, leave_mid_stream
 

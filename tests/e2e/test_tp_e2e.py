@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
+from benchmarks.harness.stack import Stack
 from pdserve.bench.chaos import retries_in
-from pdserve.bench.stack import Stack
 from tests.e2e.conftest import hf_greedy, prompts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
