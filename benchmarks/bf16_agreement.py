@@ -1,4 +1,4 @@
-"""Top-1 agreement of the engine's greedy outputs with transformers, under teacher forcing (issue 13:
+"""Top-1 agreement of the engine's greedy outputs with transformers, under teacher forcing (the bar:
 ">= 99% of positions in bf16 on the default model").
 
     python -m benchmarks.bf16_agreement --model smollm2 --dtype bfloat16 --num-prompts 32 --max-tokens 64 \
@@ -39,7 +39,7 @@ import torch
 from benchmarks.cpu_floor import cpu_info
 from pdserve.bench.json_out import write_json
 
-TARGET = 0.99  # issue 13's bar for bf16
+TARGET = 0.99  # the bar for bf16
 PROMPTS = (
     "The capital of France is",
     "Write a short poem about the sea.",

@@ -1,4 +1,4 @@
-"""How close the engine's CPU decode step is to this machine's floor (issue 13).
+"""How close the engine's CPU decode step is to this machine's floor.
 
     python -m benchmarks.cpu_floor --model smollm2 --dtype bfloat16 --batch-sizes 1,16,64 \
         --context-len 256 --num-threads 2 --repeats 7 --json /tmp/cpu_floor.json

@@ -11,9 +11,9 @@ import argparse
 from pdserve.engine.scheduling_args import SCHEDULING_ARG_NAMES, add_scheduling_args
 
 DEFAULT_BATCHED_TOKENS = 2048
-# A CPU's GEMMs run within ~5% of full speed at 512 tokens, so a prefill node that takes 512 prompt
-# tokens per step hands each first token (and its KV) to the decode node several times sooner than
-# one that prefills a burst of prompts in one step (benchmarks/RESULTS.md: TTFT p50 7.3 s -> 1.7 s).
+# A CPU's GEMMs run near full speed at 512 tokens, so a prefill node that takes 512 prompt tokens
+# per step hands each first token (and its KV) to the decode node sooner than one that prefills a
+# burst of prompts in one step.
 CPU_PREFILL_BATCHED_TOKENS = 512
 
 ENGINE_ARG_NAMES = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization",

@@ -272,7 +272,7 @@ print("replies", got)
 
 
 def test_rogue_container_is_refused(stack, reference):
-    """Issue 16: a container on the stack's network with the project image, no keys (or keys of its
+    """A container on the stack's network with the project image, no keys (or keys of its
     own), tries to join as prefill and as decode and to pull KV from a decode node."""
     router_refusals = metric_sum(stack.router_metrics(), "pdserve_auth_refusals_total")
     decode_ips = [n["status_url"].split("//")[1].split(":")[0] for n in stack.ready_nodes("decode")]

@@ -8,7 +8,7 @@ The draft's KV is built here, on the node that decodes, the first time a request
 slots: one draft forward over its whole context (prompt + outputs) catches it up. It is never
 shipped with the target's KV from a prefill node: a small draft's prefill costs a fraction of
 the target's, and a KV hand-off that carried both models would tie every prefill node to the
-decode node's draft choice (README, "Speculative decoding", has the measured cost).
+decode node's draft choice.
 
 Per request, `num_computed` says how many leading positions of the draft pool hold KV of the
 request's current tokens. After verification only the positions the target kept stay valid,
