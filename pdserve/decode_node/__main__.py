@@ -26,7 +26,7 @@ def build_node(setup):
     from pdserve.decode_node.node import DecodeNode
     from pdserve.engine.args import build_engine
     from pdserve.kvtransfer.receiver import KVReceiver
-    from pdserve.node.messages import kv_layout, kv_shards
+    from pdserve.node.engine_wire import kv_layout, kv_shards
     from pdserve.node.router_link import advertised_addr
 
     args = setup.args

@@ -34,7 +34,7 @@ from pdserve.engine.request import Request, child_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.receiver import KVEventKind
 from pdserve.node.faults import FaultInjection
-from pdserve.node.messages import token_events
+from pdserve.node.engine_wire import token_events
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.router_link import RouterLink
 from pdserve.protocol.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch

@@ -9,7 +9,7 @@
     status_server.py  StatusServer: GET /status, /metrics, /health
     metrics.py        NodeSnapshot and the Prometheus metrics read from it
     stats.py          the periodic stats line
-    messages.py       wire messages built from engine state (Register, KVLayout, Token)
+    engine_wire.py    wire messages built from engine state (Register, KVLayout, Token), the KV shards
     args.py           the node flags; the CURVE keys they name
     faults.py         FaultInjection: the test and chaos hook (slow steps, slow pulls, spoiled KV)
 """

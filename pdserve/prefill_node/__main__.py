@@ -37,7 +37,7 @@ def build_node(setup):
     if args.role == "prefill" and not args.no_shm and args.device == "cpu":
         import torch
 
-        from pdserve.kvtransfer.shm import SharedKVPool, cleanup_stale_segments
+        from pdserve.kvcache.shm_pool import SharedKVPool, cleanup_stale_segments
 
         cleanup_stale_segments()
 
@@ -60,7 +60,7 @@ def build_node(setup):
         import dataclasses
 
         from pdserve.kvtransfer.sender import KVSender
-        from pdserve.node.messages import kv_layout, kv_shards
+        from pdserve.node.engine_wire import kv_layout, kv_shards
 
         shards = kv_shards(engine, shm_pool)  # every rank's pool (tensor parallelism), or the one
         if args.no_shm:  # ranks in /dev/shm (TP > 1 on the CPU) are still not offered to peers

@@ -34,7 +34,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.faults import FaultInjection
-from pdserve.node.messages import token_events
+from pdserve.node.engine_wire import token_events
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.router_link import RouterLink
 from pdserve.protocol.messages import (

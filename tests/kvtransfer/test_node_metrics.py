@@ -116,7 +116,7 @@ class NodePair:
         from pdserve.decode_node.node import DecodeNode
         from pdserve.kvtransfer.receiver import KVReceiver
         from pdserve.kvtransfer.sender import KVSender
-        from pdserve.node.messages import kv_layout, register_message
+        from pdserve.node.engine_wire import kv_layout, register_message
         from pdserve.prefill_node.node import PrefillNode
 
         self.router = zmq.Context.instance().socket(zmq.ROUTER)

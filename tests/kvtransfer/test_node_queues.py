@@ -30,7 +30,7 @@ def errors_from(sock, timeout_s: float = 5.0) -> list[Error]:
 
 
 def test_prefill_queue_limit(tiny_llama, no_leak):
-    from pdserve.node.messages import register_message
+    from pdserve.node.engine_wire import register_message
     from pdserve.prefill_node.node import PrefillNode
 
     router, addr = router_socket()
@@ -53,7 +53,7 @@ def test_prefill_queue_limit(tiny_llama, no_leak):
 
 def test_decode_queue_limit(tiny_llama, no_leak):
     from pdserve.decode_node.node import DecodeNode
-    from pdserve.node.messages import kv_layout, register_message
+    from pdserve.node.engine_wire import kv_layout, register_message
     from pdserve.protocol.messages import KVReady
 
     router, addr = router_socket()

@@ -16,14 +16,14 @@ import zmq
 
 from pdserve.engine.parallel.sharding import kv_head_range
 from pdserve.kvcache.shard import KVShard
+from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.kvtransfer import transport
 from pdserve.kvtransfer.heads import Piece, cover, ranges_error
 from pdserve.kvtransfer.layout import layout_shape
 from pdserve.kvtransfer.payload import DTYPES, frame_to_tensor, gather_tokens
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvcache.shm_pool import SharedKVPool
-from pdserve.node.messages import kv_shards
+from pdserve.node.engine_wire import kv_shards
 from pdserve.protocol.messages import (
     Handshake,
     HandshakeAck,

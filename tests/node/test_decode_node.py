@@ -61,7 +61,7 @@ def router():
 
 def make_node(tiny_llama, addr, **kw):
     from pdserve.decode_node.node import DecodeNode
-    from pdserve.node.messages import register_message
+    from pdserve.node.engine_wire import register_message
 
     engine = make_engine(tiny_llama)
     receiver = FakeReceiver()
