@@ -1,4 +1,4 @@
-// bf16 GEMMs on AMX tiles (cpu_amx.cpp), registered in cpu_decode.cpp's module.
+// bf16 GEMMs and prefill attention on AMX tiles (cpu_amx.cpp, cpu_amx_attention.cpp), bound in cpu_module.cpp.
 #pragma once
 #include <torch/extension.h>
 

@@ -2,7 +2,7 @@
 // operations, so that each loop and the exp polynomial are written once for both widths; a loop
 // runs 16 lanes a step where the CPU has them, then 8, then the scalar tail. The templates at the
 // end name only L's operations: a build without either width never instantiates them. Included inside the
-// anonymous namespace of cpu_decode.cpp (PDSERVE_AVX2 / PDSERVE_AVX512 from its build flags) and of
+// anonymous namespace of cpu_common.h (PDSERVE_AVX2 / PDSERVE_AVX512 from the build flags) and of
 // cpu_amx.cpp (both, under its AVX512/AMX target pragma), after <immintrin.h>, <limits> and
 // <type_traits>.
 #pragma once
@@ -206,7 +206,7 @@ inline typename L::V load_rnd(const S* p) {
   else return rnd_lanes<L, T>(L::load(p));
 }
 
-// T(T(silu(x)) * up), silu(x) = x / (1 + exp(-x)), stored at p: silu_mul's arithmetic (cpu_decode.cpp),
+// T(T(silu(x)) * up), silu(x) = x / (1 + exp(-x)), stored at p: silu_mul's arithmetic (cpu_elementwise.cpp),
 // also the fused gate_up GEMM's epilogue (cpu_amx.cpp), so the two give the same bits
 template <typename L, typename T>
 inline void store_silu_times(T* p, typename L::V x, typename L::V up) {

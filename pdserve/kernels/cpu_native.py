@@ -1,5 +1,14 @@
-"""The CPU's compiled ops (cpu_decode.cpp: the decode attention kernel and a decoder layer's fused
-elementwise ops): built once per machine with torch's C++ extension builder and kept on disk, so
+"""The CPU backend's compiled ops, one extension module built from the .cpp files here:
+
+    cpu_decode_attention.cpp  decode attention over the paged K/V cache
+    cpu_elementwise.cpp       a decoder layer's fused elementwise ops (add + RMSNorm, RoPE + K/V store,
+                              SiLU x up) and greedy sampling's argmax
+    cpu_gemm.cpp              the few-row GEMM on weights packed in 16-column panels
+    cpu_decode_step.cpp       a step of decodes through layers 1.. in one call (decode_layers)
+    cpu_amx.cpp, cpu_amx_attention.cpp   the AMX GEMM and prefill attention (AMX CPUs, checked at run time)
+    cpu_module.cpp            the bindings
+
+It is built once per machine with torch's C++ extension builder and kept on disk, so
 later processes only load it (~0.1 s).
 
     load()    the module, or None when it cannot be built here (no compiler, a failed build) or
@@ -32,9 +41,10 @@ NATIVE_ENV = "PDSERVE_CPU_NATIVE"  # "0": never build or load the kernel (the to
 # the 8-lane or scalar loops on an AVX512 machine; the AMX GEMM asks the CPU at run time regardless)
 ISA_ENV = "PDSERVE_CPU_ISA"
 _ISA_CAPS = ("avx2", "portable")
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # the module; it registers the AMX GEMM's functions too
-_SOURCES = (_SOURCE, _SOURCE.with_name("cpu_amx.cpp"), _SOURCE.with_name("cpu_amx.h"), _SOURCE.with_name("cpu_lanes.h"),
-            _SOURCE.with_name("cpu_amx_tiles.h"), _SOURCE.with_name("cpu_amx_attention.cpp"))
+_HERE = Path(__file__).parent
+_SOURCES = tuple(_HERE / name for name in (
+    "cpu_module.cpp", "cpu_decode_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_decode_step.cpp",
+    "cpu_amx.cpp", "cpu_amx_attention.cpp", "cpu_ops.h", "cpu_common.h", "cpu_lanes.h", "cpu_amx.h", "cpu_amx_tiles.h"))
 _NAME = "pdserve_cpu_decode"
 _LIBRARY = _NAME + ".so"  # what torch's builder links in the build directory
 DTYPES = (torch.float32, torch.bfloat16)  # what the compiled ops take
