@@ -6,20 +6,20 @@ those ids, so each re-sequences, detokenizes, checks its stop strings and ends o
 the code every request uses; a `ChoiceGroup` ties them together for the HTTP side (one wait for
 any choice's deltas, chunks carrying each choice's `index`, usage summed over the choices).
 
-    submit_choices   one PrefillRequest for the request id (sampling with n); every choice is
+    submit           one PrefillRequest for the request id (sampling with n); every choice is
                      placed on the same nodes under its own id
     heartbeats       before the fork the nodes list the request id alone: it stands for its
-                     choices (`_group_listed` refreshes them; a request id no live choice stands
+                     choices (`ChoiceGroups.listed` refreshes them; a request id no live choice stands
                      behind is aborted as any unknown id)
     errors           an Error for the request id applies to each of its choices
     re-dispatch      one choice alone: its next attempt is an n = 1 request `{id}#{i}~k` with the
                      choice's derived seed, so it continues as an undisturbed run would
-    release_choices  the HTTP side is done: every choice is released (aborting those not ended),
+    release          the HTTP side is done: every choice is released (aborting those not ended),
                      then, unless all ended normally, Abort(request id) clears what the nodes
                      still hold under it (a choice cannot be reached by its own id before the fork)
 
-`ParallelSampling` is one part of `Router` (router.py). The HTTP side (app.py) serves every request
-through a `ChoiceGroup`: a request with n = 1 is a group of one.
+The HTTP side (app.py) serves every request through a `ChoiceGroup`: a request with n = 1 is a
+group of one, never entered in the request table's groups.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ from __future__ import annotations
 import asyncio
 
 from pdserve.engine.request import child_id
-from pdserve.protocol.messages import Abort, Error, PrefillRequest
+from pdserve.protocol.messages import Error, PrefillRequest
+from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.openai_responses import usage
+from pdserve.router.redispatch import Redispatcher
 from pdserve.router.registry import Route
 from pdserve.router.request_state import Delta, RouterError, RouterRequest, RouterRequestStatus
+from pdserve.router.request_table import RequestTable
 
 
 class ChoiceGroup:
@@ -65,62 +68,61 @@ class ChoiceGroup:
         return usage(len(self.choices[0].prompt_token_ids), sum(len(c.output_token_ids) for c in self.choices))
 
 
-class ParallelSampling:
-    """Mixed into `Router`, whose state it uses and whose `_admit`, `_send`, `_redispatch`,
-    `_fail` and `release` it calls."""
+class ChoiceGroups:
+    """The n > 1 requests: their submission, release, and what node messages about a request id
+    mean for its choices. The groups themselves live in the request table."""
 
-    groups: dict[str, ChoiceGroup]
+    def __init__(self, table: RequestTable, dispatcher: Dispatcher, redispatcher: Redispatcher, tokenizer) -> None:
+        self.table = table
+        self.dispatcher = dispatcher
+        self.redispatcher = redispatcher
+        self.tokenizer = tokenizer
 
-    async def submit_choices(self, request_id: str, parsed) -> ChoiceGroup:
+    async def submit(self, request_id: str, parsed) -> ChoiceGroup:
         """Like `Router.submit`, for n > 1: one dispatch for every choice (raises ProtocolError)."""
-        deadline, route = self._admit(parsed)
+        deadline, route = self.dispatcher.admit(parsed)
         n, sampling = parsed.sampling.n, parsed.sampling
         choices = [RouterRequest(child_id(request_id, i), parsed.prompt_token_ids, sampling.for_choice(i),
                                  self.tokenizer, deadline=deadline) for i in range(n)]
-        group = self.groups[request_id] = ChoiceGroup(request_id, parsed, choices)
-        if not await self._dispatch_choices(group, route):
+        group = ChoiceGroup(request_id, parsed, choices)
+        self.table.add_group(group)
+        if not await self._dispatch(group, route):
             for choice in choices:
-                await self._redispatch(choice, f"prefill node {route.prefill.node_id} is unreachable")
+                await self.redispatcher.redispatch(choice, f"prefill node {route.prefill.node_id} is unreachable")
         return group
 
-    async def _dispatch_choices(self, group: ChoiceGroup, route: Route) -> bool:
+    async def _dispatch(self, group: ChoiceGroup, route: Route) -> bool:
         first = group.choices[0]
         prompt = first.prompt_token_ids
         for i, choice in enumerate(group.choices):
-            choice.mark_dispatched(route.prefill.node_id, route.decode.node_id if route.decode else "")
-            self.requests[choice.wire_id] = choice
             # the prompt is prefilled once: its tokens and blocks are counted with choice 0
-            self.registry.add_request(route, choice.wire_id, len(prompt) if i == 0 else 0, choice.sampling.max_tokens)
+            self.table.dispatched(choice, route, len(prompt) if i == 0 else 0)
         group.node_ids = first.node_ids
         msg = PrefillRequest(group.request_id, prompt, group.sampling.to_dict(), first.decode_node_id,
                              route.decode.register.kv_addr if route.decode else "",
                              arrival_time=first.timing.arrival_wall)
-        return await self._send(route.prefill, msg)
+        return await self.dispatcher.send(route.prefill, msg)
 
-    async def release_choices(self, group: ChoiceGroup, reason: str = "client disconnected") -> None:
+    async def release(self, group: ChoiceGroup, reason: str = "client disconnected") -> None:
         """`release` of every choice, then Abort(request id) where the one dispatch went, unless all
         ended normally (a group of one, n = 1, was never dispatched as a group: `release` alone)."""
         # (before `release` marks the unfinished ones aborted)
         ended_early = any(c.status != RouterRequestStatus.FINISHED or c.stopped_by_router for c in group.choices)
         for choice in group.choices:
-            await self.release(choice, reason)
-        if self.groups.get(group.request_id) is group:
-            del self.groups[group.request_id]
+            await self.dispatcher.release(choice, reason)
+        self.table.drop_group(group)
         if ended_early:
-            for node_id in group.node_ids:
-                node = self.registry.nodes.get(node_id)
-                if node is not None:
-                    await self._send(node, Abort(group.request_id, reason))
+            await self.dispatcher.abort_on(group.node_ids, group.request_id, reason)
 
     def _live_choices(self, request_id: str, node_id: str) -> list[RouterRequest]:
         """The choices of n > 1 request `request_id` whose current attempt is the one dispatch,
         on `node_id`, not ended: what the nodes hold under the request id stands for them."""
-        group = self.groups.get(request_id)
+        group = self.table.group(request_id)
         if group is None:
             return []
         return [c for c in group.choices if c.attempt == 0 and not c.status.is_done and node_id in c.node_ids]
 
-    def _group_listed(self, node_id: str, request_id: str, now: float) -> bool:
+    def listed(self, node_id: str, request_id: str, now: float) -> bool:
         """A heartbeat of `node_id` lists `request_id`: True (and its choices count as listed) when
         it is an n > 1 request still dispatched there."""
         live = self._live_choices(request_id, node_id)
@@ -128,12 +130,13 @@ class ParallelSampling:
             choice.last_listed = now
         return bool(live)
 
-    async def _group_error(self, msg: Error) -> bool:
+    async def on_error(self, msg: Error) -> bool:
         """An Error for an n > 1 request id applies to each choice there; False when it is none."""
         live = self._live_choices(msg.request_id, msg.node_id)
         for choice in live:
             if msg.retryable:
-                await self._redispatch(choice, f"node {msg.node_id}: {msg.message}")
+                await self.redispatcher.redispatch(choice, f"node {msg.node_id}: {msg.message}")
             else:
-                await self._fail(choice, RouterError(f"node {msg.node_id}: {msg.message}", 500, "InternalServerError"))
+                await self.dispatcher.fail(choice, RouterError(f"node {msg.node_id}: {msg.message}", 500,
+                                                               "InternalServerError"))
         return bool(live)

@@ -15,7 +15,7 @@
 
 Identity binding (CURVE only; without keys there is nothing to bind). control.py hands every
 message over with `peer_key`, the z85 public key its connection authenticated with. The first
-Register of a node id binds that id to its key, in `Router.node_keys`, for the router's lifetime:
+Register of a node id binds that id to its key, in `NodeMessages.node_keys`, for the router's lifetime:
 the binding follows the key, not the process, so a node that restarts with the same key gets its
 id back (a new pid re-dispatches what the old process held, as without keys). A message claiming
 a node id bound to another key is dropped, logged at WARNING once per (node id, key) and counted
@@ -33,8 +33,6 @@ more is sent there. The limit: the key is the identity. Nodes that share one cli
 default `pdserve keys` layout: every node gets client.key_secret) are one trust domain, any of
 them may speak for any of their ids; binding tells apart nodes with distinct keys (each node its
 own keypair, every public `.key` copied into the router's key directory).
-
-`NodeMessages` is one part of `Router` (router.py): one handler per message, on the router's state.
 """
 
 from __future__ import annotations
@@ -55,10 +53,14 @@ from pdserve.protocol.messages import (
     Token,
     TokenBatch,
 )
+from pdserve.router.choices import ChoiceGroups
 from pdserve.router.control import ControlSocket
+from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.redispatch import Redispatcher
 from pdserve.router.registry import Registry
-from pdserve.router.request_state import RouterError, RouterRequest, receive_batch
+from pdserve.router.request_state import RouterError, receive_batch
+from pdserve.router.request_table import RequestTable
 
 logger = logging.getLogger(__name__)
 
@@ -66,38 +68,41 @@ ROLES = ("prefill", "decode", "both")
 
 
 class NodeMessages:
-    """The handlers of node messages. Mixed into `Router`, whose state they use (below) and whose
-    `_send`, `_deliver`, `_delivered`, `_fail`, `_redispatch`, `_unpark` and `_node_lost` they call."""
+    """One handler per node message (the table above), and the CURVE identity binding."""
 
-    served_model_name: str
-    registry: Registry
-    requests: dict[str, RouterRequest]
-    parked: dict[str, tuple[RouterRequest, float, str]]
-    metrics: RouterMetrics
-    control: ControlSocket
-    curve: object  # protocol.curve.CurveKeys, or None
-    node_keys: dict[str, str]  # CURVE only: node id → the z85 public key it registered with
-    _taken_logged: set[tuple[str, str]]  # (node id, key) whose node_id_taken refusal was logged
-    _reregister_sent: dict[str, float]  # node id → when we last asked it to register
+    def __init__(self, served_model_name: str, registry: Registry, table: RequestTable, control: ControlSocket,
+                 metrics: RouterMetrics, dispatcher: Dispatcher, redispatcher: Redispatcher,
+                 groups: ChoiceGroups) -> None:
+        self.served_model_name = served_model_name
+        self.registry = registry
+        self.table = table
+        self.control = control
+        self.metrics = metrics
+        self.dispatcher = dispatcher
+        self.redispatcher = redispatcher
+        self.groups = groups
+        self.node_keys: dict[str, str] = {}  # CURVE only: node id → the z85 public key it registered with
+        self.taken_logged: set[tuple[str, str]] = set()  # (node id, key) whose node_id_taken refusal was logged
+        self._reregister_sent: dict[str, float] = {}  # node id → when we last asked it to register
 
-    _HANDLERS = {Register: "_on_register", Heartbeat: "_on_heartbeat", Deregister: "_on_deregister",
-                 FirstToken: "_on_first_token", TokenBatch: "_on_token_batch", Error: "_on_error"}
+    _HANDLERS = {Register: "on_register", Heartbeat: "on_heartbeat", Deregister: "on_deregister",
+                 FirstToken: "on_first_token", TokenBatch: "on_token_batch", Error: "on_error"}
 
-    async def _on_message(self, identity: bytes, msg: Message, peer_key: str | None = None) -> None:
+    async def on_message(self, identity: bytes, msg: Message, peer_key: str | None = None) -> None:
         name = self._HANDLERS.get(type(msg))
         if name is None:
             raise MessageError(f"a {msg.TYPE} message is not for the router")
-        if peer_key is not None and not await self._key_may_speak(identity, msg, peer_key):
+        if peer_key is not None and not await self.key_may_speak(identity, msg, peer_key):
             return
         await getattr(self, name)(identity, msg)
 
     def _claimed_node_id(self, msg: Message) -> str | None:
         if isinstance(msg, FirstToken):
-            req = self.requests.get(msg.request_id)
+            req = self.table.attempt(msg.request_id)
             return req.prefill_node_id if req is not None else None  # unknown: dropped by its handler
         return msg.node_id
 
-    async def _key_may_speak(self, identity: bytes, msg: Message, peer_key: str) -> bool:
+    async def key_may_speak(self, identity: bytes, msg: Message, peer_key: str) -> bool:
         """Identity binding (module docstring): bind on a first Register; False (counted, logged
         once per (node id, key)) when the node id is bound to another key."""
         node_id = self._claimed_node_id(msg)
@@ -112,8 +117,8 @@ class NodeMessages:
         if bound == peer_key:
             return True
         self.metrics.observe_auth_refusal("node_id_taken")
-        if (node_id, peer_key) not in self._taken_logged:
-            self._taken_logged.add((node_id, peer_key))
+        if (node_id, peer_key) not in self.taken_logged:
+            self.taken_logged.add((node_id, peer_key))
             logger.warning("refused %s for node %s from CURVE key %s: that node id is bound to key %s "
                            "(logged once per node id and key)", msg.TYPE, node_id, peer_key, bound)
         node = self.registry.nodes.get(node_id)
@@ -122,10 +127,10 @@ class NodeMessages:
             # router sends to the node would go there.
             self.registry.remove(node_id)
             logger.warning("node %s dropped: its routing id is held by a connection with another key", node_id)
-            await self._node_lost(node, f"node {node_id}'s connection was taken over")
+            await self.redispatcher.node_lost(node, f"node {node_id}'s connection was taken over")
         return False
 
-    async def _on_register(self, identity: bytes, msg: Register) -> None:
+    async def on_register(self, identity: bytes, msg: Register) -> None:
         if msg.role not in ROLES:
             raise MessageError(f"register: unknown role {msg.role!r}")
         if msg.model and msg.model != self.served_model_name:
@@ -137,29 +142,28 @@ class NodeMessages:
         if old is None:
             return
         if old.register.pid == msg.pid:  # the same process reconnected: its requests live on
-            new = self.registry.nodes[msg.node_id]
-            new.request_ids, new.outstanding_prompt_tokens = old.request_ids, old.outstanding_prompt_tokens
+            self.registry.keep_requests(old)
         else:
-            await self._node_lost(old, f"node {msg.node_id} restarted")
+            await self.redispatcher.node_lost(old, f"node {msg.node_id} restarted")
 
-    async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+    async def on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         node = self.registry.nodes.get(msg.node_id)
         if node is None:
             await self._ask_to_register(msg.node_id)
             return
         self.registry.heartbeat(msg)
-        if self.parked and node.ready:
-            await self._unpark()
+        if self.table.parked and node.ready:
+            await self.redispatcher.unpark()
         now = time.monotonic()
         for wire_id in msg.request_ids:
-            req = self.requests.get(wire_id)
+            req = self.table.attempt(wire_id)
             if req is not None and wire_id in node.request_ids:
                 req.last_listed = now
-            elif req is None and self._group_listed(node.node_id, wire_id, now):
+            elif req is None and self.groups.listed(node.node_id, wire_id, now):
                 pass  # an n > 1 request before its fork stands for its choices (choices.py)
             elif req is None or node.node_id not in req.node_ids:
                 # Ended, re-dispatched, or from before a router restart: nobody wants its tokens.
-                await self._send(node, Abort(wire_id, "unknown to the router"))
+                await self.dispatcher.send(node, Abort(wire_id, "unknown to the router"))
 
     async def _ask_to_register(self, node_id: str) -> None:
         """A heartbeat from a node the router does not know: it was dropped (missed heartbeats) or
@@ -173,29 +177,29 @@ class NodeMessages:
         # the send fails and a later heartbeat asks again.
         await self.control.send(node_id.encode(), node_id, Reregister("unknown node"), log_level=logging.INFO)
 
-    async def _on_deregister(self, identity: bytes, msg: Deregister) -> None:
+    async def on_deregister(self, identity: bytes, msg: Deregister) -> None:
         node = self.registry.remove(msg.node_id)
         if node is not None:
             logger.info("node %s deregistered", msg.node_id)
-            await self._node_lost(node, f"node {msg.node_id} left")
+            await self.redispatcher.node_lost(node, f"node {msg.node_id} left")
 
-    async def _on_first_token(self, identity: bytes, msg: FirstToken) -> None:
-        req = self.requests.get(msg.request_id)
+    async def on_first_token(self, identity: bytes, msg: FirstToken) -> None:
+        req = self.table.attempt(msg.request_id)
         if req is None:
             return  # aborted or ended already: a late token is expected, not an error
-        self.registry.first_token(req.prefill_node_id, req.wire_id)
+        self.table.first_token(req)
         req.timing.prefill_queued_s, req.timing.prefill_s = msg.queued_s, msg.prefill_s
         req.timing.num_cached_tokens = msg.num_cached_tokens
         delivered_before = req.timing.first_token is not None  # a duplicate FirstToken is dropped
-        await self._deliver(req, Token(msg.request_id, 0, msg.token_id, msg.logprobs, msg.finish_reason))
+        await self.dispatcher.deliver(req, Token(msg.request_id, 0, msg.token_id, msg.logprobs, msg.finish_reason))
         if not delivered_before and req.timing.first_token is not None:
             self.metrics.observe_first_token(req)
 
-    async def _on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
-        node_id, requests, arrivals = msg.node_id, self.requests, []
+    async def on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
+        node_id, attempt, arrivals = msg.node_id, self.table.in_flight.get, []
         logprobs = msg.logprobs or None
         for i, wire_id in enumerate(msg.request_ids):
-            req = requests.get(wire_id)
+            req = attempt(wire_id)
             if req is None:
                 continue
             if node_id != req.decode_node_id and node_id != req.prefill_node_id:
@@ -208,15 +212,15 @@ class NodeMessages:
         deltas = receive_batch(arrivals)
         self.metrics.add_stage("detokenize", time.perf_counter() - start, len(arrivals))
         for req, delta in deltas.items():
-            await self._delivered(req, delta)
+            await self.dispatcher.delivered(req, delta)
 
-    async def _on_error(self, identity: bytes, msg: Error) -> None:
-        req = self.requests.get(msg.request_id)
-        if req is None and await self._group_error(msg):  # an n > 1 request's: each choice (choices.py)
+    async def on_error(self, identity: bytes, msg: Error) -> None:
+        req = self.table.attempt(msg.request_id)
+        if req is None and await self.groups.on_error(msg):  # an n > 1 request's: each choice (choices.py)
             return
         if req is None or msg.node_id not in req.node_ids:
             return  # an earlier attempt's, or a stranger's
         if msg.retryable:
-            await self._redispatch(req, f"node {msg.node_id}: {msg.message}")
+            await self.redispatcher.redispatch(req, f"node {msg.node_id}: {msg.message}")
         else:
-            await self._fail(req, RouterError(f"node {msg.node_id}: {msg.message}", 500, "InternalServerError"))
+            await self.dispatcher.fail(req, RouterError(f"node {msg.node_id}: {msg.message}", 500, "InternalServerError"))

@@ -49,7 +49,9 @@ class NodeInfo:
     identity: bytes  # the ZMQ routing id its frames came from (node_id.encode() by convention)
     last_seen: float  # monotonic time of the last Register or Heartbeat
     heartbeat: Heartbeat | None = None
-    outstanding_prompt_tokens: dict[str, int] = field(default_factory=dict)  # request_id -> prompt len
+    # This router's requests on the node, by wire id, for its load; written through the request
+    # table (request_table.py), which holds everything else about them.
+    outstanding_prompt_tokens: dict[str, int] = field(default_factory=dict)  # waiting for a first token -> prompt len
     blocks_since_heartbeat: int = 0  # estimated blocks of requests dispatched since the last heartbeat
     request_ids: set[str] = field(default_factory=set)  # requests this node holds state for
 
@@ -149,6 +151,11 @@ class Registry:
         node.heartbeat, node.last_seen, node.blocks_since_heartbeat = msg, _now(now), 0
         return True
 
+    def keep_requests(self, old: NodeInfo) -> None:
+        """`old`'s process reconnected (same pid): the requests it held are its new entry's."""
+        new = self.nodes[old.node_id]
+        new.request_ids, new.outstanding_prompt_tokens = old.request_ids, old.outstanding_prompt_tokens
+
     def remove(self, node_id: str) -> NodeInfo | None:
         return self.nodes.pop(node_id, None)
 
@@ -210,7 +217,7 @@ class Registry:
             raise OverloadedError(role)
         return free
 
-    # ---- per-request accounting --------------------------------------------------------------
+    # ---- per-request accounting (called by the request table) -------------------------------
     def add_request(self, route: Route, request_id: str, prompt_len: int, max_tokens: int) -> None:
         route.prefill.outstanding_prompt_tokens[request_id] = prompt_len
         decode = route.decode or route.prefill

@@ -235,14 +235,14 @@ def test_two_failure_reports_for_one_attempt_retry_it_once(tokenizer):
             await wait_until(lambda: h.router.requests, what="dispatched")
             (wire_id, req), = h.router.requests.items()
             err = Error(wire_id, req.decode_node_id, "KV transfer failed", retryable=True)
-            abort_nodes = h.router._abort_nodes
+            abort_nodes = h.router.dispatcher.abort_nodes
 
             async def yielding_abort(*args):  # a send that yields to the loop, as a full queue would
                 await asyncio.sleep(0.01)
                 await abort_nodes(*args)
 
-            h.router._abort_nodes = yielding_abort
-            await asyncio.gather(h.router._on_error(b"", err), h.router._on_error(b"", err))
+            h.router.dispatcher.abort_nodes = yielding_abort
+            await asyncio.gather(h.router.handlers.on_error(b"", err), h.router.handlers.on_error(b"", err))
             assert req.attempt == 1 and h.router.metrics.retries._value.get() == 1
             assert (await task)[0] == 200
 

@@ -41,13 +41,13 @@ def record_messages(router) -> list[tuple[bytes, Message, str]]:
     """Every node message the router receives over CURVE, with its routing id and peer key (the
     identity check sees each one before its handler)."""
     seen: list[tuple[bytes, Message, str]] = []
-    check = router._key_may_speak
+    check = router.handlers.key_may_speak
 
     async def recording(identity, msg, peer_key):
         seen.append((identity, msg, peer_key))
         return await check(identity, msg, peer_key)
 
-    router._key_may_speak = recording
+    router.handlers.key_may_speak = recording
     return seen
 
 
@@ -173,7 +173,7 @@ def test_a_node_id_is_bound_to_the_key_it_registered_with(tokenizer, tmp_path):
             status, body = await h.post("/v1/completions", BODY)
             assert status == 200, body
             assert len(p0b.prefills) == 2
-            assert h.router._taken_logged == {("p0", second.client_public.decode())}  # logged once
+            assert h.router.handlers.taken_logged == {("p0", second.client_public.decode())}  # logged once
 
     run(scenario())
 

@@ -1,6 +1,6 @@
 """The monitor judges a node's silence only up to what the router has handled: a heartbeat waiting
 in the control backlog, or in the socket through a stall of the router's event loop, is not
-silence (on a loaded host a 2 s backlog once dropped every node with a 1.5 s timeout)."""
+silence."""
 
 from __future__ import annotations
 
@@ -14,21 +14,24 @@ from pdserve.protocol.messages import Heartbeat, Register
 from pdserve.router.control import ControlSocket
 from pdserve.router.monitor import Monitor
 from pdserve.router.registry import Registry
+from pdserve.router.request_table import RequestTable
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class Checks(Monitor):
+class Checks:
     """The monitor's expiry on a registry and a control socket; lost nodes are noted."""
 
     def __init__(self, registry: Registry, control: ControlSocket) -> None:
-        self.registry, self.control, self.lost = registry, control, []
+        self.lost = []
+        self.monitor = Monitor(registry, control, RequestTable(registry), dispatcher=None, redispatcher=self,
+                               lost_after_s=10.0)
 
-    async def _node_lost(self, node, reason: str) -> None:
+    async def node_lost(self, node, reason: str) -> None:
         self.lost.append((node.node_id, reason))
 
     def expire(self) -> list:
-        asyncio.run(self._expire_nodes())
+        asyncio.run(self.monitor.expire_nodes())
         return self.lost
 
 

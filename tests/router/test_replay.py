@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protocol.messages import Token, TokenBatch, decode
+from pdserve.protocol.messages import Register, Token, TokenBatch, decode
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat
+from pdserve.router.registry import NodeInfo, Route
 from pdserve.router.request_state import RouterRequest
 from pdserve.router.router import Router
 from tests.conftest import save_tiny_tokenizer
@@ -52,14 +53,15 @@ def _delta_json(d) -> dict:
 
 async def _replay(case: dict, tokenizer) -> tuple[list, list, dict]:
     router = Router(tokenizer, "m")  # not started: the handler is called directly, as the control loop would
+    route = Route(NodeInfo(Register("p0", "prefill", "m"), b"p0", 0.0),
+                  NodeInfo(Register(NODE, "decode", "m"), NODE.encode(), 0.0))
     specs = case["requests"]
     reqs, fmts = [], {}
     for r, spec in enumerate(specs):
         params = SamplingParams(max_tokens=spec["max_tokens"], stop=spec["stop"], logprobs=spec["logprobs"],
                                 ignore_eos=True)
         req = RouterRequest(f"r{r}", spec["prompt"], params, tokenizer)
-        req.mark_dispatched("p0", NODE)
-        router.requests[req.wire_id] = req
+        router.table.dispatched(req, route, len(spec["prompt"]))
         reqs.append(req)
         for kind, cls in (("completion", CompletionFormat), ("chat", ChatFormat)):
             fmt = cls(f"id-{r}", "m", include_usage=False, top_logprobs=spec["logprobs"], return_token_ids=r % 2 == 0)
@@ -76,7 +78,7 @@ async def _replay(case: dict, tokenizer) -> tuple[list, list, dict]:
             tokens.append(Token(reqs[r].wire_id, i, spec["ids"][i] if in_range else 0,
                                 {k: v for k, v in maps[i]} if maps and in_range else None,
                                 spec["finish"] if i == len(spec["ids"]) - 1 else None))
-        await router._on_token_batch(NODE.encode(), decode(TokenBatch.from_tokens(NODE, tokens).encode()))
+        await router.handlers.on_token_batch(NODE.encode(), decode(TokenBatch.from_tokens(NODE, tokens).encode()))
         for r, req in enumerate(reqs):
             deltas = req.take_deltas()
             assert len(deltas) <= 1, "one delta per request per batch"
