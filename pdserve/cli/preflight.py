@@ -1,14 +1,16 @@
 """What `pdserve serve` checks before it starts anything: the flags it hands each role parse with
 that role's own parser and expose no socket without keys, a draft model in --speculative-config
-exists, and the router's HTTP port is free. Each check answers an error line (or None), so the command fails at once with one clear line instead of a crash loop minutes later."""
+exists, and the router's HTTP port is free (router/ports.py, shared with `pdserve router
+--api-server-count`). Each check answers an error line (or None), so the command fails at once with
+one clear line instead of a crash loop minutes later."""
 
 from __future__ import annotations
 
 import argparse
-import errno
 import shlex
-import socket
 from collections.abc import Callable
+
+from pdserve.router.ports import check_port_free as check_port_free  # serve's HTTP port check is the router's
 
 
 class _ParseError(Exception):
@@ -89,25 +91,4 @@ def check_draft_model(speculative_config: str | None) -> str | None:
         first = str(e).split(". ")[0].rstrip(".")  # the loader's first sentence names the problem
         what = "draft m" + first[1:] if first.startswith("Model ") else f"draft model {spec.model!r}: {first}"
         return f"--speculative-config: {what}"
-    return None
-
-
-def check_port_free(host: str, port: int) -> str | None:
-    """An error line if nothing could listen on host:port now, else None. Binds each address the
-    host resolves to as the router's server will (SO_REUSEADDR, so TIME_WAIT is no obstacle)."""
-    try:
-        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        return f"cannot resolve --host {host}: {e.strerror}"
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                s.bind(address)
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    return f"port {port} on {host} is already in use (pass --port to pick another)"
-                return f"cannot listen on {host} port {port}: {e.strerror}"
     return None

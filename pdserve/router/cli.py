@@ -149,8 +149,8 @@ def run_parent(args: argparse.Namespace, argv: list[str]) -> int:
     """--api-server-count N > 1: check what the children would refuse, then start and supervise
     them (router/api_servers.py). Each child gets this command line with its own control
     address, index and the shared instance id and port appended (argparse keeps the last value)."""
-    from pdserve.cli.preflight import check_port_free
     from pdserve.router.api_servers import control_addresses, run_api_servers
+    from pdserve.router.ports import check_port_free
     from pdserve.utils.processes import free_port
 
     n = args.api_server_count
