@@ -1,25 +1,22 @@
-"""A decode step of the whole running batch, as columns: the steady state of decoding.
+"""A decode step as columns: the one representation of a step in which every running request
+decodes one token (the steady state of decoding).
 
 Most steps of a decode node, and of any engine between admissions, are the same requests decoding
-one token each. The general path (scheduler.py) builds a `ScheduledRequest` per request and step,
-the runner reads its fields one by one, and `postprocess` runs each request's stop checks in
-Python: ~4 us a request, the whole host cost of a step at batch 256. When the running batch is a
-steady decode the scheduler builds a `DecodeStep` instead: numpy columns, with the per-request
-constants (ids, prompt lengths, max_tokens, stop ids) kept in a `DecodeBatch` for as long as the
-running list holds the same requests in the same order.
+one token each. Such a step is a `DecodeStep`: numpy columns, with the per-request constants (ids,
+prompt lengths, max_tokens, stop ids) kept in a `DecodeBatch` for as long as the running list holds
+the same requests in the same order, so the host's work per step stays a few array operations.
 
     schedule:     positions = computed tokens, one new slot each; blocks only where a request
                   crosses into a new block. The columns come from the last step's postprocess
                   when it was this batch's (`DecodeBatch.carried`): no request is read at all;
-                  else one attribute gather per column.
+                  else one attribute gather per column (engine/scheduler_decode.py).
     runner:       host batch from the columns; block-table rows rewritten only where a table
                   grew (input_batch.py); all-greedy batches: one argmax, a list of ids back
     postprocess:  one loop appending tokens; stop and length checks as array compares, the exact
                   per-request check only for the rows they flag; the next step's columns left
 
-Anything else (a prompt chunk, a request to admit, drafts, a fork's copy-on-write, a preemption)
-takes the general path, which stays the definition: the tests run random workloads both ways and
-compare every step's chunks, tokens and blocks (tests/engine/test_decode_batch.py).
+A step with anything else in it (a prompt chunk, drafts, a request not scheduled for lack of
+budget) is a list of per-request chunks (`ScheduledRequest`, engine/scheduler_output.py).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from itertools import repeat
 import numpy as np
 
 from pdserve.engine.request import Request
-from pdserve.engine.scheduler_output import ScheduledRequest
 
 
 class DecodeBatch:
@@ -100,10 +96,12 @@ class DecodeStep:
     positions: np.ndarray  # [S] int64: each request's computed tokens, where its new token goes
     token_ids: np.ndarray  # [S] int64: the tokens fed, each request's last
     num_blocks: np.ndarray  # [S] int64: the blocks each request holds for this step
-    grown: list[int]  # indices of the requests given a block this step (the only tables that changed
-    # since the last step, when that step was a columnar one of the same batch)
+    # Indices of the requests given a block this step: the only tables that changed since the last
+    # step, when that step was one of the same batch. None: any table may have changed (a step that
+    # preempted, swapped in or copied on write).
+    grown: list[int] | None
     tables: dict[str, list[int]]  # the block manager's tables (request id -> block ids), live
-    num_carried: int  # the first rows' columns came from the last step's (engine/scheduler.py)
+    num_carried: int  # the first rows' columns came from the last step's (engine/scheduler_decode.py)
 
     @property
     def requests(self) -> list[Request]:
@@ -123,7 +121,17 @@ class DecodeStep:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def items(self) -> list[ScheduledRequest]:
-        """The same step as the general path's per-request items (built only when asked for)."""
-        return list(map(ScheduledRequest, self.batch.requests, self.positions.tolist(), repeat(1), self.block_lists,
-                        repeat(True)))
+
+def read_columns(requests: list[Request], ids: list[str], tables: dict[str, list[int]]):
+    """(positions, fed tokens, block counts) of requests each decoding one token, read from them;
+    None when one is not (a prompt chunk left) or holds no blocks yet."""
+    positions = np.array([r.num_computed_tokens for r in requests], dtype=np.int64)
+    lengths = np.array([len(r.all_token_ids) for r in requests], dtype=np.int64)
+    lengths -= positions
+    if (lengths != 1).any():
+        return None
+    try:
+        num_blocks = np.array([len(tables[i]) for i in ids], dtype=np.int64)
+    except KeyError:
+        return None
+    return positions, np.array([r.all_token_ids[-1] for r in requests], dtype=np.int64), num_blocks

@@ -12,11 +12,12 @@ Rows are released lazily: when a new request finds no free row, rows of requests
 does not schedule (finished, preempted or aborted ones) are freed. A row is matched by request
 id and checked by content, so a stale row, or an id used again, is rewritten before it is read.
 
-A columnar decode step (engine/decode_batch.py) of the same batch as the step before, when that
-one was columnar too, checks nothing: the scheduler says which tables grew (`DecodeStep.grown`),
-and only those rows are rewritten. No other change can reach such a batch's tables: a request
-leaving or joining makes a new batch, and copy-on-writes and roll-backs happen in steps of the
-general path, whose gather compares every row and ends the run of trusted steps.
+A decode step (engine/decode_batch.py) of the same batch as the step before, when that one was a
+decode step too, checks nothing: the scheduler says which tables grew (`DecodeStep.grown`), and
+only those rows are rewritten. No other change can reach such a batch's tables: a request leaving
+or joining makes a new batch, a decode step that preempted, swapped in or copied on write says
+so (`grown` None) and is compared row by row, and roll-backs happen in steps of per-request
+chunks, whose gather compares every row and ends the run of trusted steps.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class PersistentBlockTables:
         self.row_of: dict[str, int] = {}  # request id -> its row
         self.written: list[list[int] | None] = [None] * self.table.shape[0]  # the block ids each row holds
         self.free_rows = list(range(self.table.shape[0] - 1, -1, -1))  # popped from the end: row 0 first
-        # The columnar batch whose rows were last gathered (and those rows), while no other gather
+        # The decode batch whose rows were last gathered (and those rows), while no other gather
         # has run since: its next step need only rewrite the rows of tables that grew.
         self._trusted: tuple[DecodeBatch, list[int], slice | np.ndarray] | None = None
 
@@ -50,9 +51,9 @@ class PersistentBlockTables:
         return self._take(_index(rows), max(len(s.block_ids) for s in scheduled))
 
     def gather_decode(self, decode: DecodeStep) -> torch.Tensor:
-        """The block tables of a columnar decode step."""
+        """The block tables of a decode step."""
         trusted = self._trusted
-        if trusted is not None and trusted[0] is decode.batch:
+        if trusted is not None and trusted[0] is decode.batch and decode.grown is not None:
             _, rows, index = trusted
             for i in decode.grown:
                 self._write(rows[i], decode.tables[decode.request_ids[i]])

@@ -209,16 +209,16 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, dict[int, float] | None] | list] | tuple:
-        """Run the step. A columnar decode step (`out.decode`) returns (token ids, logprobs or
-        None), in batch order. Otherwise request id → (sampled token, logprobs) for requests that sample,
+        """Run the step. A decode step (`out.decode`) returns (token ids, logprobs or None), in
+        batch order. Otherwise request id → (sampled token, logprobs) for requests that sample,
         or, for a request that had draft tokens to verify, the list of such pairs it emits
         (the accepted drafts, then the target's own token: engine/rejection_sampler.py); an n > 1
         request about to fork gets one pair per choice, under the choices' ids. Fills
         `timings.prepare`, `.forward` and `.sample`."""
         start = perf_counter()
-        decode = out.decode  # a steady decode step, as columns (engine/decode_batch.py): all sample
+        decode = out.decode  # a decode step, as columns (engine/decode_batch.py): all sample
         sampling = decode if decode is not None else [s for s in out.scheduled if s.samples]
-        step = Step(None if out.is_empty else self.prepare_host_batch(out, len(sampling)), bool(sampling),
+        step = Step(None if out.is_empty else self.prepare_host_batch(out), bool(sampling),
                     out.blocks_to_swap_out, out.blocks_to_copy, out.blocks_to_swap_in)
         if self.executor is None:
             logits = self.run_step(step, start)
@@ -236,7 +236,7 @@ class ModelRunner:
         return sampled
 
     def _sample_decode(self, logits: torch.Tensor, decode: DecodeStep) -> tuple:
-        """A columnar decode step's draws: (token ids, logprobs or None) in batch order."""
+        """A decode step's draws: (token ids, logprobs or None) in batch order."""
         if decode.batch.all_plain_greedy:
             return argmax_rows(logits).cpu().numpy(), None  # the scheduler keeps the array as the next step's input
         rows = [SamplingInput(r.params, *r.sampling_view()) for r in decode.requests]
@@ -288,13 +288,11 @@ class ModelRunner:
         """(input ids [T], positions [T], metadata, logits indices) of the scheduled chunks, on the device."""
         return self.upload_batch(self.prepare_host_batch(out))
 
-    def prepare_host_batch(self, out: SchedulerOutput, num_sampling: int | None = None) -> HostBatch:
+    def prepare_host_batch(self, out: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled chunks into `[T]` tokens plus the metadata of DESIGN.md. A request
         with draft tokens feeds them after its last token (query length 1 + k) and wants the
-        logits of all 1 + k positions. A decode step (one token per request, no drafts) gathers
-        one column per field and no per-request lists (a columnar one, `out.decode`, reads no
-        per-request object at all). `num_sampling`: how many chunks sample, when the caller has
-        counted them (all of them: no per-request list of logits wanted)."""
+        logits of all 1 + k positions. A decode step (`out.decode`) is its columns: no
+        per-request object is read."""
         if out.decode is not None:
             decode = out.decode
             tables = self.block_tables.gather_decode(decode)
@@ -302,11 +300,6 @@ class ModelRunner:
         scheduled = out.scheduled
         starts = [s.num_computed_tokens for s in scheduled]
         tables = self.block_tables.gather(scheduled)
-        drafts = self.config.speculative_config is not None and any(s.spec_token_ids for s in scheduled)
-        if out.num_batched_tokens == len(scheduled) and not drafts:
-            token_ids = [s.request.all_token_ids[s.num_computed_tokens] for s in scheduled]
-            num_logits = None if num_sampling == len(scheduled) else [int(s.samples) for s in scheduled]
-            return build_host_batch(token_ids, starts, tables, self.block_size, num_logits=num_logits)
         token_ids, query_lens, num_logits = [], [], []
         for s in scheduled:
             start, spec = s.num_computed_tokens, s.spec_token_ids

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from itertools import repeat
 
+from pdserve.engine.decode_batch import DecodeStep
 from pdserve.engine.request import Request
-
-if TYPE_CHECKING:
-    from pdserve.engine.decode_batch import DecodeStep
 
 
 @dataclass(slots=True)
@@ -29,8 +27,8 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     items: list[ScheduledRequest] = field(default_factory=list)  # batch order (read `scheduled`)
-    # A steady decode step of the whole running batch, as columns (engine/decode_batch.py); then
-    # `items` is empty until `scheduled` is read.
+    # A step of the whole running batch decoding one token each, as columns (engine/decode_batch.py);
+    # then `items` is empty until `scheduled` is read.
     decode: DecodeStep | None = None
     num_batched_tokens: int = 0  # sum of num_new_tokens
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), before the forward
@@ -44,9 +42,11 @@ class SchedulerOutput:
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
-        """The step's chunks, request by request (a columnar decode step's built on first read)."""
-        if self.decode is not None and not self.items:
-            self.items = self.decode.items()
+        """The step's chunks, request by request (a decode step's built from its columns on first read)."""
+        decode = self.decode
+        if decode is not None and not self.items:
+            self.items = list(map(ScheduledRequest, decode.requests, decode.positions.tolist(), repeat(1),
+                                  decode.block_lists, repeat(True)))
         return self.items
 
     @property

@@ -1,6 +1,7 @@
-"""Columnar decode steps (engine/decode_batch.py): the scheduler's steady-state path must give
-exactly the general path's steps, tokens, stops and blocks, and fall back to it whenever a step
-is anything but the running batch decoding one token each."""
+"""Decode steps as columns (engine/decode_batch.py, engine/scheduler_decode.py): every step in
+which the whole running batch decodes one token each is a `DecodeStep`, whether the scheduler
+decided it from the columns alone or request by request (a preemption, a swap-in, a copy-on-write);
+any other step is a list of per-request chunks."""
 
 import pytest
 from hypothesis import given, settings
@@ -18,14 +19,14 @@ def draw(request):
 
 
 def fake_execute(out):
-    """The model runner's return for `out`: columns for a columnar decode step, else the mapping."""
+    """The model runner's return for `out`: columns for a decode step, else the mapping."""
     if out.decode is not None:
         return [draw(r) for r in out.decode.requests], None
     return {s.request.request_id: (draw(s.request), None) for s in out.scheduled if s.samples}
 
 
 def step_view(out):
-    """What the model runner gets: every chunk with its tokens and blocks (a columnar step's tokens
+    """What the model runner gets: every chunk with its tokens and blocks (a decode step's tokens
     as its columns carry them, not read back from the requests)."""
     fed = (out.decode.token_ids.tolist() if out.decode is not None else
            [s.request.all_token_ids[s.num_computed_tokens] for s in out.scheduled])
@@ -33,20 +34,12 @@ def step_view(out):
             for s, token in zip(out.scheduled, fed)]
 
 
-def state_view(sched, reqs):
-    bm = sched.block_manager
-    return ([(r.request_id, r.status, list(r.output_token_ids), r.num_computed_tokens, r.num_new_output_tokens)
-             for r in reqs],
-            {k: list(v) for k, v in bm.tables.items()}, {k: list(v) for k, v in bm.keys.items()},
-            bm.num_free_blocks, [r.request_id for r in sched.running], sched.num_tokens_sampled)
-
-
 def steady_batch(num=3, **kw):
     sched = make_scheduler(num_blocks=32, block_size=4, **kw)
     reqs = [make_request(num_tokens=3 + i, max_tokens=12, request_id=f"r{i}") for i in range(num)]
     for r in reqs:
         sched.add_request(r)
-    out = sched.schedule()  # the prefills: the general path
+    out = sched.schedule()  # the prefills: chunks
     assert out.decode is None
     sched.postprocess(out, fake_execute(out))
     return sched, reqs
@@ -70,7 +63,7 @@ def test_a_steady_decode_is_scheduled_as_columns_and_grows_blocks_at_boundaries(
 
 
 @pytest.mark.parametrize("case", ["waiting with a seat", "prompt chunk", "drafts"])
-def test_anything_but_a_steady_decode_takes_the_general_path(case):
+def test_anything_but_the_batch_decoding_one_token_each_is_a_step_of_chunks(case):
     if case == "drafts":
         sched, _ = steady_batch(num_lookahead_tokens=2)
     else:
@@ -82,7 +75,7 @@ def test_anything_but_a_steady_decode_takes_the_general_path(case):
     assert sched.schedule().decode is None
 
 
-def test_a_swapped_request_with_a_seat_is_swapped_in_by_the_general_path():
+def test_a_swapped_request_with_a_seat_is_swapped_in_and_the_step_stays_a_decode_step():
     sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16, num_host_blocks=8)
     reqs = [make_request(num_tokens=n, max_tokens=8, request_id=f"r{i}") for i, n in enumerate((5, 3, 2))]
     for r in reqs:
@@ -92,16 +85,17 @@ def test_a_swapped_request_with_a_seat_is_swapped_in_by_the_general_path():
         sched.postprocess(out, fake_execute(out))
     sched.abort("r0")  # room again
     out = sched.schedule()
-    assert out.decode is None and out.blocks_to_swap_in and [s.request.request_id for s in out.scheduled] == ["r1", "r2"]
+    assert out.decode is not None and out.decode.grown is None  # decided request by request
+    assert out.blocks_to_swap_in and [s.request.request_id for s in out.scheduled] == ["r1", "r2"]
 
 
-def test_choices_writing_into_a_shared_block_take_the_general_path_for_the_copy():
+def test_choices_writing_into_a_shared_block_copy_it_in_a_decode_step():
     sched = make_scheduler(num_blocks=32, block_size=4)
     sched.add_request(make_request(num_tokens=3, max_tokens=6, request_id="n2", n=2, temperature=1.0))
     out = sched.schedule()
     sched.postprocess(out, {"n2#0": (5, None), "n2#1": (6, None)})  # forked: both share block 0
     out = sched.schedule()  # both write position 3, in the shared block: a copy-on-write
-    assert out.decode is None and len(out.blocks_to_copy) == 1
+    assert out.decode is not None and out.decode.grown is None and len(out.blocks_to_copy) == 1
     sched.postprocess(out, fake_execute(out))
     out = sched.schedule()  # each in a block of its own now
     assert out.decode is not None and [r.request_id for r in out.decode.requests] == ["n2#0", "n2#1"]
@@ -116,7 +110,7 @@ def test_a_full_batch_decodes_as_columns_while_requests_wait():
     assert out.decode is not None and [s.request for s in out.scheduled] == reqs
 
 
-def test_a_step_that_must_preempt_is_left_to_the_general_path():
+def test_a_step_that_must_preempt_is_a_decode_step_of_the_requests_left():
     # 4 blocks of 4 tokens: three requests of 5, 4, 3 tokens hold 2 + 1 + 1 blocks; the second
     # needs a new block for its 5th token and the pool is empty.
     sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=16)
@@ -129,7 +123,8 @@ def test_a_step_that_must_preempt_is_left_to_the_general_path():
     assert out.decode is not None
     sched.postprocess(out, fake_execute(out))
     out = sched.schedule()  # r1 (position 4) needs a 2nd block: none free -> preempt r2 (the latest)
-    assert out.decode is None and out.preempted_request_ids == ["r2"]
+    assert out.preempted_request_ids == ["r2"] and out.decode is not None and out.decode.grown is None
+    assert out.decode.requests == reqs[:2]
     sched.postprocess(out, fake_execute(out))
     sched.block_manager.check_invariants()
 
@@ -142,7 +137,7 @@ def test_an_abort_while_the_step_runs_is_reported_and_appends_nothing():
     sched.abort("r1")  # e.g. the client went away while the forward ran
     sched.postprocess(out, sampled)
     assert reqs[1].status == RequestStatus.FINISHED_ABORTED and reqs[1].num_output_tokens == 1
-    assert out.stepped == reqs  # reported, as the general path does
+    assert out.stepped == reqs  # reported, as a step of chunks does
     assert [r.num_output_tokens for r in (reqs[0], reqs[2])] == [2, 2]
     sched.block_manager.check_invariants()
 
@@ -189,60 +184,53 @@ def test_logprobs_columns_are_appended_per_row():
     st.lists(st.integers(0, 30), max_size=3),
     st.integers(1, 4),
 )
-def test_random_workloads_give_the_same_steps_both_ways(specs, max_seqs_extra, host_blocks, prefix, abort_at,
-                                                        abort_mid_step, arrivals_every):
-    """Property: the same workload (bursts of arrivals, some with their prompt KV from elsewhere
-    as a decode node's join the batch, EOS and stop ids, max_tokens, a tight pool with preemption
-    by recompute or swap, prefix caching, aborts between steps and while a step runs) through two
-    schedulers, columns on and off: every step schedules the same chunks and blocks, and every
-    request ends the same, with the same tokens; nothing leaks."""
-    scheds = []
-    for columns in (True, False):
-        sched = make_scheduler(num_blocks=14, block_size=4, max_num_batched_tokens=16,
-                               max_num_seqs=2 + max_seqs_extra, num_host_blocks=host_blocks,
-                               enable_prefix_caching=prefix, eos_token_ids=[3])
-        sched.decode_columns = columns
-        reqs = [make_request([(family * 7 + j) % 11 + 1 for j in range(n)], max_tokens=max_tokens, request_id=f"q{i}",
-                             stop_token_ids=[5] if stops else [])
-                for i, (n, max_tokens, family, stops, _) in enumerate(specs)]
-        for r, (*_, remote) in zip(reqs, specs):
-            if remote:  # prompt KV computed elsewhere: its first token drawn there
-                r.append_output((len(r.prompt_token_ids) * 5) % 13)
-        scheds.append((sched, reqs, list(reqs)))
-    kept = PersistentBlockTables(2)  # the runner's block tables, fed the columnar scheduler's steps
+def test_random_workloads_keep_the_block_tables_and_the_pool_sound(specs, max_seqs_extra, host_blocks, prefix,
+                                                                    abort_at, abort_mid_step, arrivals_every):
+    """Property: a workload (bursts of arrivals, some with their prompt KV from elsewhere as a
+    decode node's join the batch, EOS and stop ids, max_tokens, a tight pool with preemption by
+    recompute or swap, prefix caching, aborts between steps and while a step runs): the runner's
+    block tables kept across steps match the live ones at every step, a decode step feeds each
+    request's last token at its computed position, every request ends, and nothing leaks."""
+    sched = make_scheduler(num_blocks=14, block_size=4, max_num_batched_tokens=16, max_num_seqs=2 + max_seqs_extra,
+                           num_host_blocks=host_blocks, enable_prefix_caching=prefix, eos_token_ids=[3])
+    reqs = [make_request([(family * 7 + j) % 11 + 1 for j in range(n)], max_tokens=max_tokens, request_id=f"q{i}",
+                         stop_token_ids=[5] if stops else [])
+            for i, (n, max_tokens, family, stops, _) in enumerate(specs)]
+    for r, (*_, remote) in zip(reqs, specs):
+        if remote:  # prompt KV computed elsewhere: its first token drawn there
+            r.append_output((len(r.prompt_token_ids) * 5) % 13)
+    pending = list(reqs)
+    kept = PersistentBlockTables(2)  # the runner's block tables
     for step in range(3000):
-        if not any(pending or sched.has_unfinished() for sched, _, pending in scheds):
+        if not (pending or sched.has_unfinished()):
             break
-        views = []
-        for sched, reqs, pending in scheds:
-            if pending and step % arrivals_every == 0:
-                request = pending.pop(0)
-                sched.add_remote(request) if request.num_output_tokens else sched.add_request(request)
-            for request in sched.schedule_remote_kv():  # its KV arrives at once: it joins the batch
-                sched.remote_kv_done(request.request_id)
-            if step in abort_at:
-                sched.abort(reqs[step % len(reqs)].request_id)
-            out = sched.schedule()
-            view = step_view(out)
-            if sched.decode_columns and not out.is_empty:  # the rows kept across steps match the live tables
-                tables = kept.gather_decode(out.decode) if out.decode is not None else kept.gather(out.scheduled)
-                assert tables.tolist() == pad_tables([s.block_ids for s in out.scheduled]).tolist()
-            sampled = fake_execute(out)
-            if step in abort_mid_step:
-                sched.abort(reqs[(step + 1) % len(reqs)].request_id)
-            finished = sched.postprocess(out, sampled)
-            sched.block_manager.check_invariants()
-            views.append((view, [r.request_id for r in finished], [r.request_id for r in out.stepped],
-                          state_view(sched, reqs)))
-        assert views[0] == views[1], f"step {step}"
+        if pending and step % arrivals_every == 0:
+            request = pending.pop(0)
+            sched.add_remote(request) if request.num_output_tokens else sched.add_request(request)
+        for request in sched.schedule_remote_kv():  # its KV arrives at once: it joins the batch
+            sched.remote_kv_done(request.request_id)
+        if step in abort_at:
+            sched.abort(reqs[step % len(reqs)].request_id)
+        out = sched.schedule()
+        if out.decode is not None:
+            assert out.decode.requests == sched.running
+            assert [t for *_, t in step_view(out)] == [r.all_token_ids[-1] for r in sched.running]
+            assert out.decode.positions.tolist() == [r.num_computed_tokens for r in sched.running]
+        if not out.is_empty:
+            tables = kept.gather_decode(out.decode) if out.decode is not None else kept.gather(out.scheduled)
+            assert tables.tolist() == pad_tables([s.block_ids for s in out.scheduled]).tolist()
+        sampled = fake_execute(out)
+        if step in abort_mid_step:
+            sched.abort(reqs[(step + 1) % len(reqs)].request_id)
+        sched.postprocess(out, sampled)
+        sched.block_manager.check_invariants()
     else:
         raise AssertionError("no progress")
-    for sched, reqs, _ in scheds:
-        assert all(r.is_finished for r in reqs)
-        assert_no_leak(sched.block_manager)
+    assert all(r.is_finished for r in reqs)
+    assert_no_leak(sched.block_manager)
 
 
-def test_random_workloads_do_take_the_columnar_path():
+def test_random_workloads_do_take_decode_steps():
     """The property above is only worth something if its workloads reach steady decodes."""
     sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
     for i in range(6):
@@ -257,7 +245,7 @@ def test_random_workloads_do_take_the_columnar_path():
 
 
 # ---- the runner's block tables, from columns ------------------------------------------------
-def test_block_tables_of_a_columnar_batch_rewrite_only_grown_rows_while_trusted():
+def test_block_tables_of_a_decode_batch_rewrite_only_grown_rows_while_trusted():
     sched, reqs = steady_batch()
     kept = PersistentBlockTables(2, 1)
     seen = []
@@ -268,59 +256,13 @@ def test_block_tables_of_a_columnar_batch_rewrite_only_grown_rows_while_trusted(
         assert kept.gather_decode(out.decode).tolist() == pad_tables(out.decode.block_lists).tolist()
         sched.postprocess(out, fake_execute(out))
     assert any(seen) and not all(seen)
-    # A general gather in between ends the trust: the next columnar step compares every row.
+    # A gather of chunks in between ends the trust: the next decode step compares every row.
     bm = sched.block_manager
     rid = reqs[0].request_id
     out = sched.schedule()
     kept.gather(out.scheduled)
     bm.tables[rid][0], bm.tables[rid][-1] = bm.tables[rid][-1], bm.tables[rid][0]  # as a copy-on-write would
     assert kept.gather_decode(out.decode).tolist() == pad_tables(out.decode.block_lists).tolist()
-
-
-# ---- the engine, end to end -----------------------------------------------------------------
-def test_the_engine_gives_the_same_outputs_with_and_without_columns(tiny_llama):
-    """Greedy, seeded and unseeded sampling, logprobs, penalties, stop ids, n = 2, a tight pool
-    (preemptions) and arrivals spread over steps: every token and logprob the same both ways."""
-    from pdserve.engine import LLM, SamplingParams
-
-    # No prefix cache: the second run would hit the first one's blocks and prefill fewer tokens, and
-    # a GEMM's rows need not get the same bits at another row count (MKL's on an AVX512 CPU do not).
-    llm = LLM(str(tiny_llama), dtype="float32", num_threads=2, block_size=4, num_kv_blocks=24, max_num_seqs=6,
-              seed=3, enable_prefix_caching=False)
-    engine = llm.engine
-    params = [SamplingParams(max_tokens=18, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=14, temperature=0.8, seed=11, logprobs=2),
-              SamplingParams(max_tokens=16, temperature=1.0, top_k=20),
-              SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, stop_token_ids=[40, 41]),
-              SamplingParams(max_tokens=10, temperature=0.7, seed=5, n=2),
-              SamplingParams(max_tokens=20, temperature=0)]
-    runs = []
-    for columns in (True, False):
-        engine.scheduler.decode_columns = columns
-        engine.runner.sampler._generator.manual_seed(7)  # unseeded rows draw the same numbers both runs
-        schedule, kinds = engine.scheduler.schedule, []
-
-        def spy(schedule=schedule, kinds=kinds):
-            out = schedule()
-            kinds.append(out.decode is not None)
-            return out
-
-        engine.scheduler.schedule = spy
-        outputs = {}
-        pending = [(f"e{i}", [(13 * i + 5 * j) % 250 + 1 for j in range(3 + 2 * i)], p) for i, p in enumerate(params)]
-        while pending or engine.has_unfinished():
-            if pending:
-                request_id, prompt, p = pending.pop(0)
-                engine.add_request(prompt, p, request_id=request_id)
-            for o in engine.step():
-                outputs[o.request_id] = (o.token_ids, o.logprobs, o.finish_reason, o.metrics)
-        del engine.scheduler.schedule
-        runs.append((outputs, kinds))
-        assert_no_leak(engine.block_manager)
-    (with_columns, kinds), (without, plain_kinds) = runs
-    assert with_columns == without and len(with_columns) == 7  # n = 2: two choices
-    assert sum(kinds) >= 5 and not any(plain_kinds)
-    assert any(metrics["num_preemptions"] for *_, metrics in with_columns.values())
 
 
 def test_a_following_batch_has_the_constants_of_a_fresh_one():
