@@ -1,4 +1,4 @@
-"""The engine's own cost per decode step (issue 13): a model so small that the forward is nearly
+"""The engine's own cost per decode step: a model so small that the forward is nearly
 free (1 layer, hidden 64, vocab 512, random weights), B requests decoding together, and each
 step's time split by the engine's always-on phase timings (engine/step_timings.py):
 
@@ -7,11 +7,7 @@ step's time split by the engine's always-on phase timings (engine/step_timings.p
 
     python -m benchmarks.host_overhead --batch-sizes 64,256 --steps 200 --repeats 3 --json out.json
 
-A steady decode runs as columns (engine/decode_batch.py). `--compare-general` alternates runs of
-10 steps between that and the general path (`Scheduler.decode_columns = False`) in the same
-engine, and reports both: the pair is what to quote, the machine's speed drifts between minutes.
-The first step of each run is not counted (it is a switch: the columnar path's own steady state,
-columns carried from the step before, starts at the second).
+Every step timed is a decode step of the whole batch, as columns (engine/decode_batch.py).
 
 Each repeat adds B fresh requests (short prompts, greedy, ignore_eos, room for every step),
 prefills them, runs a few warm-up steps, then times `--steps` offline engine steps
@@ -32,7 +28,6 @@ from pdserve.engine.step_timings import PHASES
 SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
 _WARMUP_STEPS = 3
-_RUN = 10  # --compare-general: steps per run of one path
 _FIELDS = (*PHASES, "total", "host")
 
 
@@ -52,13 +47,12 @@ def measure(model: Path, batch: int, args: argparse.Namespace) -> dict:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
-    max_len = args.prompt_len + _WARMUP_STEPS + 2 * args.steps + _RUN + 4
+    max_len = args.prompt_len + _WARMUP_STEPS + args.steps + 4
     block_size = 16
     config = EngineConfig(model, dtype="float32", max_num_seqs=batch, block_size=block_size,
                           num_kv_blocks=batch * -(-max_len // block_size) + 1, num_threads=args.num_threads,
                           max_num_batched_tokens=max(2048, batch * args.prompt_len))
-    modes = ("columns", "general") if args.compare_general else ("columns",)
-    samples = {mode: {name: [] for name in _FIELDS} for mode in modes}
+    samples = {name: [] for name in _FIELDS}
     with LLMEngine(config) as engine:
         for repeat in range(args.repeats):
             params = SamplingParams(max_tokens=max_len - args.prompt_len - 1, temperature=0, ignore_eos=True)
@@ -70,27 +64,20 @@ def measure(model: Path, batch: int, args: argparse.Namespace) -> dict:
                 engine.step()  # prefill every prompt
             for _ in range(_WARMUP_STEPS):
                 engine.step()
-            for i in range(args.steps * len(modes) + _RUN):
-                mode = modes[i // _RUN % len(modes)]
-                sched.decode_columns = mode == "columns"
+            for _ in range(args.steps):
                 engine.step()
                 if len(sched.running) != batch:
                     raise RuntimeError(f"the batch shrank to {len(sched.running)}: size the pool larger")
-                if len(modes) > 1 and i % _RUN == 0:
-                    continue  # a switch of path, not counted
-                t, into = engine.timings, samples[mode]
+                t = engine.timings
                 for name in PHASES:
-                    into[name].append(1e3 * getattr(t, name))
-                into["total"].append(1e3 * t.total)
-                into["host"].append(1e3 * t.host)
+                    samples[name].append(1e3 * getattr(t, name))
+                samples["total"].append(1e3 * t.total)
+                samples["host"].append(1e3 * t.host)
             for request_id in list(sched.requests):
                 engine.abort(request_id)
-    result = {"batch": batch, "steps": args.steps, "repeats": args.repeats}
-    for mode in modes:  # the columnar path's figures at the top level, as before --compare-general
-        figures = {"median_ms": {name: statistics.median(v) for name, v in samples[mode].items()},
-                   "mean_ms": {name: statistics.fmean(v) for name, v in samples[mode].items()}}
-        result.update(figures) if mode == "columns" else result.update(general=figures)
-    return result
+    return {"batch": batch, "steps": args.steps, "repeats": args.repeats,
+            "median_ms": {name: statistics.median(v) for name, v in samples.items()},
+            "mean_ms": {name: statistics.fmean(v) for name, v in samples.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--model", default=None, help="a HF folder (default: the random 1-layer model)")
-    p.add_argument("--compare-general", action="store_true",
-                   help="alternate steps with the general path (no columnar decode) and report both")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pdserve-host-bench-") as tmp:
@@ -110,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(model, int(b), args) for b in args.batch_sizes.split(",")]
     print(f"{'batch':>6} " + " ".join(f"{name:>9}" for name in _FIELDS) + "   (median ms per step)")
     for r in rows:
-        print(f"{r['batch']:>6} " + " ".join(f"{r['median_ms'][name]:>9.3f}" for name in _FIELDS)
-              + ("   columns" if args.compare_general else ""))
-        if args.compare_general:
-            print(f"{r['batch']:>6} " + " ".join(f"{r['general']['median_ms'][name]:>9.3f}" for name in _FIELDS)
-                  + "   general")
+        print(f"{r['batch']:>6} " + " ".join(f"{r['median_ms'][name]:>9.3f}" for name in _FIELDS))
     report = {"shape": SHAPE, "prompt_len": args.prompt_len, "results": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

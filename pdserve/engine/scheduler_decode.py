@@ -22,7 +22,7 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
     from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.scheduler import SchedulerConfig
+    from pdserve.engine.scheduler_config import SchedulerConfig
 
 
 class DecodeScheduling:
