@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve chat test test-fast lint bench image clean
+.PHONY: install serve chat test test-fast lint docs bench image clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+
+# The documentation site (mkdocs.yml, pages under docs/) into build/site; --strict fails on any
+# warning: a broken link, a page left out of the nav.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.offline
