@@ -1,7 +1,7 @@
 """The decode node: take KV handed over by prefill nodes, then run continuous decode batching
 and stream tokens to the router.
 
-A request's states here (all of them the scheduler's; the node only talks to the receiver):
+A request's states here (the scheduler's; the node only talks to the receiver):
 
     KVReady ─▶ WAITING_FOR_KV   scheduler.add_remote: no blocks yet; the lease is renewed every
                │                5 s while it waits (LeaseRenew)
@@ -16,6 +16,11 @@ A request's states here (all of them the scheduler's; the node only talks to the
     A preempted request is recomputed here (its prompt + outputs prefilled again) or swapped.
     Receiver FAILED ─▶ scheduler.remote_kv_failed (blocks freed) + a retryable Error to the router.
 
+What the node holds for each request is its entry in `self.requests` (node/requests.py): its
+stage (WAITING_FOR_KV, RECEIVING_KV, DECODING), the KVReady it came with, its router, its
+timings; n > 1, once forked, each choice's. Every path that lets a request go forgets it there:
+finished, aborted (by its router, or its router gone), refused, its transfer failed.
+
 Ownership: blocks allocated for RECEIVING_KV belong to this node's block manager under the
 request id, allocated and freed by the scheduler; on a failed transfer or an abort they are
 freed here and the prefill node is told (KVDone ok=False, by the receiver) so it frees its own.
@@ -27,15 +32,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, child_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.receiver import KVEventKind
-from pdserve.node.faults import FaultInjection
 from pdserve.node.engine_wire import token_events
+from pdserve.node.faults import FaultInjection
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
+from pdserve.node.requests import NodeRequests, Stage, table_of
 from pdserve.node.router_link import RouterLink
 from pdserve.protocol.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch
 
@@ -46,14 +51,15 @@ LEASE_RENEW_S = 5.0  # while a request waits for blocks, ask its prefill node to
 
 class DecodeNode:
     def __init__(self, engine: LLMEngine, link: RouterLink, receiver, *, max_queue_len: int = 1024,
-                 faults: FaultInjection | None = None, metrics: NodeMetrics | None = None) -> None:
+                 faults: FaultInjection | None = None, metrics: NodeMetrics | None = None,
+                 requests: NodeRequests | None = None) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
         self.link = link
         self.receiver = receiver  # KVReceiver
         self.node_id = link.register_msg.node_id
         self.faults = faults  # tests and chaos runs only
-        self.timings: deque[dict] = deque(maxlen=1024)
+        self.requests = requests if requests is not None else table_of(link)  # what it holds, per request
         self.draining = False
         self.max_queue_len = max_queue_len  # requests announced, waiting for blocks; past it, refused
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, "decode")
@@ -72,20 +78,26 @@ class DecodeNode:
         self.link.maybe_heartbeat(self.heartbeat)
 
     def is_idle(self) -> bool:
-        return not self.engine.has_unfinished()  # remote-KV states included
+        return len(self.requests) == 0  # remote-KV states included
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, Abort):
             self.abort(msg.request_id)
         else:
             logger.warning("decode node: unexpected %s from the router", msg.TYPE)
+            request_id = getattr(msg, "request_id", None)
+            if isinstance(request_id, str):  # a PrefillRequest, say: its origin was noted, nothing taken
+                self.requests.forget_unadmitted(request_id)
 
     def abort(self, request_id: str) -> None:
-        request = self.scheduler.requests.get(request_id)
-        remote_kv = request is not None and request.status.is_remote_kv
-        self.engine.abort(request_id)  # frees its blocks, whatever its state
+        """Let the request go (an n > 1 request: each of its choices): its blocks freed, whatever
+        its state, the prefill node told if its KV was still to come; forgotten."""
+        remote_kv = self.requests.stage(request_id) in (Stage.WAITING_FOR_KV, Stage.RECEIVING_KV)
+        self.engine.abort(request_id)
         if remote_kv:
             self.receiver.release(request_id, error="aborted")
+        for rid in self.requests.family(request_id):
+            self.requests.forget(rid)
 
     # ---- KV arrival -------------------------------------------------------------------------
     def _on_kv_event(self, event) -> None:
@@ -95,40 +107,54 @@ class DecodeNode:
         elif event.kind == KVEventKind.DONE:
             request = self.scheduler.remote_kv_done(rid)
             if request is not None:
-                for i in range(request.params.n if request.forks else 0):  # forked: route its choices' tokens
-                    self.link.adopt(child_id(rid, i), self.link.origin(rid))
                 request.timings["kv_done"] = time.time()
                 self._transfer_done(request, event.num_bytes)
-                self.timings.append({"request_id": rid, **request.timings})
+                self.requests.log(rid, request.timings)
+                entry = self.requests.get(rid)
+                if request.forks:  # forked: its choices stand for it, their tokens to its router
+                    for i in range(request.params.n):
+                        self.requests.admit(child_id(rid, i), Stage.DECODING, parent_id=rid, origin=entry.origin,
+                                            kv_ready=entry.kv_ready)
+                    self.requests.forget(rid)
+                else:
+                    self.requests.move(rid, Stage.DECODING)
         elif event.kind == KVEventKind.FAILED:
             self.scheduler.remote_kv_failed(rid)
             self.link.send(Error(request_id=rid, node_id=self.node_id, message=f"KV transfer failed: {event.error}",
                                  retryable=True))
+            self.requests.forget(rid)
 
     def _on_ready(self, ready: KVReady) -> None:
-        self.link.adopt(ready.request_id, ready.router)  # its tokens and errors go back to that router
+        rid = ready.request_id
+        self.link.adopt(rid, ready.router)  # its tokens and errors go back to that router
         if self.scheduler.num_waiting_for_kv >= self.max_queue_len:  # the prefill node frees, the router retries
-            error = f"decode queue full ({self.max_queue_len} waiting for KV)"
-            self.receiver.release(ready.request_id, error=error)
-            self.link.send(Error(request_id=ready.request_id, node_id=self.node_id, message=error, retryable=True))
+            self._refuse(rid, f"decode queue full ({self.max_queue_len} waiting for KV)", retryable=True)
             return
         try:
             params = SamplingParams.from_dict(ready.sampling)
-            request = Request(ready.request_id, list(ready.prompt_token_ids), params, priority=ready.priority,
+            request = Request(rid, list(ready.prompt_token_ids), params, priority=ready.priority,
                               num_prior_output_tokens=ready.num_prior_output_tokens)
             _first_tokens(request, ready, self.engine.config.max_num_seqs)
             request.timings["kv_ready_received"] = time.time()
             request.kv_lease_renewed_at = time.monotonic()  # the lease was just granted
-            self.scheduler.add_remote(request)
+            self.scheduler.add_remote(request)  # refuses an id held already
         except ValueError as e:
-            self.receiver.release(ready.request_id, error=str(e))
-            self.link.send(Error(request_id=ready.request_id, node_id=self.node_id, message=str(e)))
+            self._refuse(rid, str(e))
+            return
+        self.requests.admit(rid, Stage.WAITING_FOR_KV, kv_ready=ready)
+
+    def _refuse(self, request_id: str, error: str, *, retryable: bool = False) -> None:
+        """Not taken: the prefill node frees its blocks (KVDone), the router hears why."""
+        self.receiver.release(request_id, error=error)
+        self.link.send(Error(request_id=request_id, node_id=self.node_id, message=error, retryable=retryable))
+        self.requests.forget_unadmitted(request_id)
 
     def _start_pulls(self) -> None:
         """Pull the KV of every request the scheduler found blocks for; renew the leases of those
         still waiting (back-pressure: the prefill node keeps their blocks pinned meanwhile)."""
         arrived_before = self.faults.pull_arrived_before(time.monotonic()) if self.faults is not None else None
         for request in self.scheduler.schedule_remote_kv(arrived_before=arrived_before):
+            self.requests.move(request.request_id, Stage.RECEIVING_KV)
             self.receiver.pull(request.request_id, list(self.engine.block_manager.block_ids(request.request_id)))
         now = time.monotonic()
         for request in self.scheduler.waiting_for_kv:
@@ -149,9 +175,13 @@ class DecodeNode:
     def _step(self) -> None:
         if self.faults is not None:
             self.faults.delay_step()
-        tokens = [t for r in self.engine.step_requests() for t in token_events(r)]  # several a step when speculating
+        stepped = self.engine.step_requests()
+        tokens = [t for r in stepped for t in token_events(r)]  # several a step when speculating
         if tokens:
             self.link.send(TokenBatch.from_tokens(self.node_id, tokens))
+        for request in stepped:  # once its last token is on its way to its router
+            if request.is_finished:
+                self.requests.forget(request.request_id)
 
     # ---- reporting --------------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat:
@@ -159,7 +189,7 @@ class DecodeNode:
         return Heartbeat(
             node_id=self.node_id, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting) + sched.num_waiting_for_kv,
-            ready=not self.draining, request_ids=list(sched.requests),  # remote-KV states included
+            ready=not self.draining, request_ids=self.requests.held_ids(),  # remote-KV states included
         )
 
     def status(self) -> dict:
@@ -169,7 +199,7 @@ class DecodeNode:
             "num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "num_waiting_for_kv": sched.num_waiting_for_kv, "num_receiving": sched.num_receiving_kv,
-            "num_preemptions": sched.num_preemptions, "timings": list(self.timings),
+            "num_preemptions": sched.num_preemptions, "timings": list(self.requests.recent),
             "pid": os.getpid(),
         }
 

@@ -6,6 +6,8 @@ call of the `release` callback (which frees the request's blocks on the prefill 
     hold ──renew──▶ hold ──release()──▶ released      (KVDone, abort, refused handshake)
                       └────expire()───▶ released      (the decode node went quiet)
 
+`overdue()` lists the leases past their deadline without releasing them, for a caller that has
+something to do first (the KV sender reports the failure while the request is still held).
 Releasing twice is impossible: a released request is no longer held, and `release()` on a request
 that is not held returns False without calling back.
 """
@@ -57,10 +59,14 @@ class LeaseTable:
         self._release(request_id)
         return True
 
+    def overdue(self) -> list[str]:
+        """The requests whose lease is past its deadline (still held: the caller releases them)."""
+        now = self.clock()
+        return [rid for rid, lease in self._leases.items() if lease.deadline <= now]
+
     def expire(self) -> list[str]:
         """Release every lease past its deadline; returns their request ids."""
-        now = self.clock()
-        overdue = [rid for rid, lease in self._leases.items() if lease.deadline <= now]
+        overdue = self.overdue()
         for rid in overdue:
             self.release(rid)
         return overdue

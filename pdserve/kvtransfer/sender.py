@@ -19,7 +19,8 @@ A request handed to `send` is held under a lease from that moment:
 
 Ownership: the prefill node's block manager allocated the blocks; from `send` on, this class owns
 them and calls `release(request_id)` exactly once per request (the `LeaseTable` guarantees it),
-after which the node frees them (or keeps them as prefix cache). Same-host peers copy straight
+after which the node frees them (or keeps them as prefix cache). A failed hand-off is reported
+(`on_error`) before it is released, while the node still holds the request. Same-host peers copy straight
 out of our pool and then ack with KVDone, so the blocks stay pinned until that ack too.
 Nothing here blocks: the node's loop calls `poll()`. Fault injection (chaos runs, tests) goes
 through a `faults` object that may drop or spoil a pull's payload frame (`PayloadFaults`).
@@ -38,12 +39,12 @@ import torch
 import zmq
 
 from pdserve.kvcache.shard import KVShard
+from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.kvtransfer import cuda_ipc
 from pdserve.kvtransfer.heads import as_shards, check_shards, gather_heads, ranges_error, with_ranks
 from pdserve.kvtransfer.layout import ready_error
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.payload import tensor_to_frame
-from pdserve.kvtransfer.shm import SharedKVPool
 from pdserve.protocol.curve import CurveKeys
 from pdserve.protocol.exposure import exposure_message, is_local
 from pdserve.protocol.messages import (
@@ -142,14 +143,14 @@ class KVSender:
         refusal = self._exposure_error(decode_kv_addr)
         if refusal is not None:  # prompts and KV in clear beyond this machine: refused like an unreachable node
             log.error("KV hand-off of %s to decode node %s refused: %s", ready.request_id, decode_node_id, refusal)
-            self._release_cb(ready.request_id)
             self._report(ready.request_id, refusal)
+            self._release_cb(ready.request_id)
             return
         try:
             peer = self._peer(decode_node_id, decode_kv_addr)
         except zmq.ZMQError as e:  # a bad address from the router: the hand-off fails, we still own the blocks
-            self._release_cb(ready.request_id)
             self._report(ready.request_id, f"cannot connect to decode node {decode_node_id} at {decode_kv_addr!r}: {e}")
+            self._release_cb(ready.request_id)
             return
         self._leases.hold(ready.request_id, ready.lease_s)
         self._requests[ready.request_id] = (peer, ready)
@@ -165,8 +166,8 @@ class KVSender:
                 self._drain(sock)
         elif timeout_ms > 0:
             time.sleep(timeout_ms / 1000)
-        for request_id in self._leases.expire():
-            self._report(request_id, "KV lease expired before the decode node took the blocks")
+        for request_id in self._leases.overdue():
+            self._fail(request_id, "KV lease expired before the decode node took the blocks")
         self._close_idle_peers()
 
     def abort(self, request_id: str) -> bool:
@@ -325,8 +326,10 @@ class KVSender:
         self._release_cb(request_id)
 
     def _fail(self, request_id: str, error: str) -> None:
-        if self._leases.release(request_id):
+        """Report the failure while the request is still held (the node still knows its router), then release it."""
+        if request_id in self._leases:
             self._report(request_id, error)
+            self._leases.release(request_id)
 
     def _report(self, request_id: str, error: str) -> None:
         if self.on_error is not None:

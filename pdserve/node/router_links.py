@@ -19,7 +19,8 @@ router dispatches its own clients' requests, and each must only ever hear about 
                them; the other routers' requests go on. A router that comes back at the address
                gets Register again on its first Reregister, like a restarted router always has.
 
-An origin entry is dropped once two heartbeat refreshes in a row did not list its request.
+Origins live in the node's request table (`requests`, node/requests.py): a request's origin goes
+when the node forgets the request.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 import zmq
 
+from pdserve.node.requests import NodeRequests
 from pdserve.node.router_discovery import RouterDiscovery
 from pdserve.node.router_link import RouterLink
 from pdserve.protocol.messages import Abort, Heartbeat, Message, PrefillRequest, Register, TokenBatch
@@ -42,19 +44,20 @@ ROUTER_GONE = "the router that sent it is gone"
 
 class RouterLinks:
     """Duck-types `RouterLink` for the nodes and the runtime (register, deregister, send, poll,
-    maybe_heartbeat, close, register_msg) plus `origin`/`adopt`."""
+    maybe_heartbeat, close, register_msg) plus `origin`/`adopt`, and `requests`: the node's
+    request table, where the origins are kept (the node takes it from here)."""
 
     def __init__(self, discovery: RouterDiscovery, register: Register, *, heartbeat_s: float = 1.0,
                  ctx: zmq.Context | None = None, curve=None,
-                 make_link: Callable[[str], RouterLink] | None = None) -> None:
+                 make_link: Callable[[str], RouterLink] | None = None,
+                 requests: NodeRequests | None = None) -> None:
         self.discovery = discovery
         self.register_msg = register
         self.heartbeat_s = heartbeat_s
         self._make_link = make_link or (lambda addr: RouterLink(addr, register, heartbeat_s=heartbeat_s, ctx=ctx,
                                                                 curve=curve))
         self.links: dict[str, RouterLink] = {}  # router address → link
-        self.origins: dict[str, str] = {}  # request id → router address
-        self._unlisted: set[str] = set()  # request ids the last heartbeat refresh did not list
+        self.requests = requests if requests is not None else NodeRequests()  # request id → router address, among the rest
         self._last_refresh = 0.0
         self._pending: list[Message] = []  # Aborts for the requests of routers that are gone
         self._poller: zmq.Poller | None = None
@@ -85,12 +88,10 @@ class RouterLinks:
                     link.register()
 
     def _router_gone(self, addr: str) -> None:
-        gone = [rid for rid, origin in self.origins.items() if origin == addr]
+        gone = self.requests.orphan(addr)  # once: their origin is unknown from now on
         if gone:
             logger.warning("router %s is gone: aborting its %d request(s)", addr, len(gone))
-        for rid in gone:
-            del self.origins[rid]
-            self._pending.append(Abort(rid, ROUTER_GONE))
+        self._pending.extend(Abort(rid, ROUTER_GONE) for rid in gone)
 
     def register(self) -> None:
         self.registered = True
@@ -105,13 +106,13 @@ class RouterLinks:
     # ---- origins ----------------------------------------------------------------------------
     def origin(self, request_id: str) -> str:
         """The address of the router `request_id` came from ("" when unknown)."""
-        return self.origins.get(request_id, "")
+        return self.requests.origin(request_id)
 
     def adopt(self, request_id: str, router_addr: str) -> None:
         """Note that `request_id` came from `router_addr` (a decode node, from a KVReady)."""
         link = self.links.get(router_addr)
         if link is not None:
-            self.origins[request_id] = router_addr
+            self.requests.set_origin(request_id, router_addr)
             if link.connected is False:  # that router died while the KV was on its way
                 self._router_gone(router_addr)
         elif router_addr and len(self.links) > 1:
@@ -120,7 +121,7 @@ class RouterLinks:
 
     def _owner(self, request_id: str) -> str | None:
         """The address of the request's router, if it is one this node links to (None: every router's)."""
-        addr = self.origins.get(request_id)
+        addr = self.requests.origin(request_id)
         return addr if addr in self.links else None
 
     def _links_for(self, request_id: str) -> list[RouterLink]:
@@ -159,19 +160,12 @@ class RouterLinks:
     def set_heartbeat(self, heartbeat: Heartbeat) -> None:
         """What each router's heartbeat thread sends from now on: `heartbeat` (the node's load),
         listing only that router's requests (and those of no known router)."""
-        self._forget_unlisted(heartbeat.request_ids)
         if len(self.links) == 1:
             next(iter(self.links.values())).set_heartbeat(heartbeat)
             return
         for addr, link in self.links.items():
             mine = [rid for rid in heartbeat.request_ids if self._owner(rid) in (addr, None)]
             link.set_heartbeat(dataclasses.replace(heartbeat, request_ids=mine))
-
-    def _forget_unlisted(self, listed: list[str]) -> None:
-        unlisted = self.origins.keys() - set(listed)
-        for rid in unlisted & self._unlisted:
-            del self.origins[rid]
-        self._unlisted = unlisted
 
     # ---- receive ----------------------------------------------------------------------------
     def poll(self, timeout_ms: int = 0) -> list[Message]:
@@ -191,7 +185,7 @@ class RouterLinks:
             admitted = False
             for msg in link.poll(0):
                 if isinstance(msg, PrefillRequest):
-                    self.origins[msg.request_id] = addr
+                    self.requests.set_origin(msg.request_id, addr)
                     admitted = True
                 out.append(msg)
             if link.connection_lost():

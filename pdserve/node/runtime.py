@@ -27,8 +27,8 @@ from typing import Protocol, TypeVar
 
 from pdserve.engine.loader import served_model_name
 from pdserve.node.args import check_exposure, load_curve_keys
-from pdserve.node.faults import FaultInjection
 from pdserve.node.engine_wire import register_message
+from pdserve.node.faults import FaultInjection
 from pdserve.node.router_discovery import RouterDiscovery, parse_router_specs
 from pdserve.node.router_link import RouterLink, advertise_host
 from pdserve.node.router_links import RouterLinks

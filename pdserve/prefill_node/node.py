@@ -10,8 +10,14 @@ A request's states here:
               └─ KVDone / lease expiry / Abort ─▶ `_release` frees the blocks exactly once
                  (they stay in the prefix cache until evicted)
 
+What the node holds for each request is its entry in `self.requests` (node/requests.py): its
+stage (PREFILLING, COLOCATED, HANDED_OFF), the PrefillRequest (where its KV goes), the KVReady
+sent, its router, its timings. Every path that lets a request go forgets it there: its first
+token ends it, a colocated request finishes, an abort (from its router, or its router gone),
+a refusal, the lease released.
+
 Ownership: the scheduler owns a request's blocks until `detach`; from then on the KVSender's
-lease table owns them and calls `_release` once. With tensor parallelism the block ids are the
+lease table owns them and calls `_release` once, which frees them and forgets the request. With tensor parallelism the block ids are the
 same on every rank: one release frees the request's KV on all of them, whatever the decode
 node's TP size (the sender serves each decode rank its heads from the ranks holding them).
 
@@ -26,16 +32,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.faults import FaultInjection
 from pdserve.node.engine_wire import token_events
+from pdserve.node.faults import FaultInjection
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
+from pdserve.node.requests import NodeRequests, Stage, table_of
 from pdserve.node.router_link import RouterLink
 from pdserve.protocol.messages import (
     Abort,
@@ -63,14 +69,13 @@ SenderFactory = Callable[[Callable[[str], None], Callable[[str, str], None]], "K
 class PrefillNode:
     def __init__(self, engine: LLMEngine, link: RouterLink, *, role: str = "prefill",
                  make_sender: SenderFactory | None = None, max_queue_len: int = 1024,
-                 faults: FaultInjection | None = None, metrics: NodeMetrics | None = None) -> None:
+                 faults: FaultInjection | None = None, metrics: NodeMetrics | None = None,
+                 requests: NodeRequests | None = None) -> None:
         self.engine = engine
         self.link = link
         self.role = role  # "prefill", or "both" for the colocated comparison mode
         self.node_id = link.register_msg.node_id
-        self.handoffs: dict[str, PrefillRequest] = {}  # request id → where its KV goes
-        self.colocated: set[str] = set()
-        self.timings: deque[dict] = deque(maxlen=1024)  # recent per-request timestamps (status endpoint)
+        self.requests = requests if requests is not None else table_of(link)  # what it holds, per request
         self.draining = False
         self.faults = faults  # tests and chaos runs only
         self.max_queue_len = max_queue_len  # requests waiting to be scheduled; past it, new ones are refused
@@ -91,7 +96,7 @@ class PrefillNode:
         self.link.maybe_heartbeat(self.heartbeat)
 
     def is_idle(self) -> bool:
-        return not self.engine.has_unfinished() and not (self.sender and self.sender.num_held)
+        return len(self.requests) == 0
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
@@ -102,28 +107,35 @@ class PrefillNode:
             logger.warning("prefill node: unexpected %s from the router", msg.TYPE)
 
     def _admit(self, msg: PrefillRequest) -> None:
+        rid = msg.request_id
         if len(self.engine.scheduler.waiting) >= self.max_queue_len:  # the router retries it elsewhere
-            self.link.send(Error(request_id=msg.request_id, node_id=self.node_id, retryable=True,
-                                 message=f"prefill queue full ({self.max_queue_len} waiting)"))
+            self._refuse(rid, f"prefill queue full ({self.max_queue_len} waiting)", retryable=True)
             return
         try:
+            if rid in self.requests.held_ids():  # handed off already: out of the engine, still held here
+                raise ValueError(f"duplicate request id {rid!r}")
             params = SamplingParams.from_dict(msg.sampling)
-            self.engine.add_request(msg.prompt_token_ids, params, request_id=msg.request_id, priority=msg.priority,
+            self.engine.add_request(msg.prompt_token_ids, params, request_id=rid, priority=msg.priority,
                                     num_prior_output_tokens=msg.num_prior_output_tokens)
         except ValueError as e:
-            self.link.send(Error(request_id=msg.request_id, node_id=self.node_id, message=str(e)))
+            self._refuse(rid, str(e))
             return
-        self.handoffs[msg.request_id] = msg
-        request = self.engine.scheduler.requests[msg.request_id]
+        self.requests.admit(rid, Stage.PREFILLING, handoff=msg)
+        request = self.engine.scheduler.requests[rid]
         request.timings.update(received=time.time(), router_arrival=msg.arrival_time)
 
+    def _refuse(self, request_id: str, message: str, *, retryable: bool = False) -> None:
+        self.link.send(Error(request_id=request_id, node_id=self.node_id, message=message, retryable=retryable))
+        self.requests.forget_unadmitted(request_id)
+
     def abort(self, request_id: str) -> None:
-        for request in self.engine.abort(request_id):  # an n > 1 request: each of its choices
-            self.colocated.discard(request.request_id)
-        self.handoffs.pop(request_id, None)
-        self.colocated.discard(request_id)
-        if self.sender is not None:
+        """Let the request go: out of the engine (an n > 1 request: each of its choices), or, handed
+        off, its lease released (`_release` frees the blocks); forgotten either way."""
+        self.engine.abort(request_id)
+        if self.requests.stage(request_id) is Stage.HANDED_OFF:
             self.sender.abort(request_id)
+        for rid in self.requests.family(request_id):
+            self.requests.forget(rid)
 
     # ---- one engine step --------------------------------------------------------------------
     def _step(self) -> None:
@@ -131,19 +143,22 @@ class PrefillNode:
             self.faults.delay_step()
         stepped = self.engine.step_requests()
         tokens: list[Token] = []
+        finished: list[str] = []
         first_tokens: dict[str, list[Request]] = {}  # request id → it, or its n > 1 choices, just forked
         for request in stepped:
             rid = request.request_id
-            if rid in self.colocated:
+            if self.requests.stage(rid) is Stage.COLOCATED:
                 tokens.extend(token_events(request))  # colocated decode: several a step when speculating
                 if request.is_finished:
-                    self.colocated.discard(rid)
+                    finished.append(rid)
                 continue
             first_tokens.setdefault(request.parent_id or rid, []).append(request)
         for rid, requests in first_tokens.items():
             self._first_tokens(rid, requests)
         if tokens:
             self.link.send(TokenBatch.from_tokens(self.node_id, tokens))
+        for rid in finished:  # once its last token is on its way to its router
+            self.requests.forget(rid)
 
     def _send_first_token(self, request: Request) -> dict | None:
         """FirstToken to the router; returns the token's logprobs."""
@@ -157,27 +172,34 @@ class PrefillNode:
             num_cached_tokens=request.num_cached_tokens,
             queued_s=t.get("scheduled", now) - t.get("received", now), prefill_s=now - t.get("scheduled", now),
         ))
-        self.timings.append({"request_id": request.request_id, **t})
+        self.requests.log(request.request_id, t)
         return logprobs
 
     def _first_tokens(self, rid: str, requests: list[Request]) -> None:
         """Request `rid` sampled its first token (`requests` = [it], or its n > 1 choices): each
         to the router, then, unless that ended it, its KV to the decode node (once for all the
         choices), or it decodes here (colocated)."""
-        msg = self.handoffs.pop(rid)
+        entry = self.requests.get(rid)
+        msg = entry.handoff
         forked = requests[0].parent_id is not None
-        if forked:
+        if forked:  # each choice an entry of its own, from the request's router
             requests = sorted(requests, key=lambda c: c.choice_index)
-            origin = self.link.origin(rid)
             for choice in requests:
-                self.link.adopt(choice.request_id, origin)
+                self.requests.admit(choice.request_id, Stage.PREFILLING, parent_id=rid, origin=entry.origin)
         firsts = [(r.output_token_ids[-1], self._send_first_token(r)) for r in requests]
         live = [r for r in requests if not r.is_finished]
-        if not live:
+        if not live or not msg.decode_node_id:  # ended by its first token, or colocated: decodes here
+            for r in requests:
+                if r.is_finished:
+                    self.requests.forget(r.request_id)
+                else:
+                    self.requests.move(r.request_id, Stage.COLOCATED)
+            if forked:  # its choices stand for it
+                self.requests.forget(rid)
             return
-        if not msg.decode_node_id:  # colocated: decode here
-            self.colocated.update(r.request_id for r in live)
-            return
+        if forked:  # their first tokens sent; the request id stands for them in the hand-off
+            for choice in requests:
+                self.requests.forget(choice.request_id)
         first = live[0]
         block_ids = [self.engine.scheduler.detach(r) for r in live][0]  # the choices' tables: the same blocks
         choices = {}
@@ -194,16 +216,15 @@ class PrefillNode:
             priority=first.priority, num_prior_output_tokens=first.num_prior_output_tokens,
             router=self.link.origin(rid), **choices,
         )
+        self.requests.move(rid, Stage.HANDED_OFF, kv_ready=ready)
         self.sender.send(msg.decode_node_id, msg.decode_kv_addr, ready)
-        first.timings["kv_ready_sent"] = time.time()
+        self.requests.note(rid, "kv_ready_sent")  # unless the send already released it
 
     def _release(self, request_id: str) -> None:
         """The lease table's callback: the decode node has the KV (or never will)."""
         self.engine.block_manager.free(request_id)
-        for t in reversed(self.timings):
-            if t["request_id"] == request_id:
-                t["kv_released"] = time.time()
-                break
+        self.requests.note(request_id, "kv_released")
+        self.requests.forget(request_id)
 
     def _handoff_failed(self, request_id: str, message: str) -> None:
         self.link.send(Error(request_id=request_id, node_id=self.node_id, message=message, retryable=True))
@@ -221,7 +242,7 @@ class PrefillNode:
             node_id=self.node_id, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             num_outstanding_tokens=outstanding, ready=not self.draining,
-            request_ids=list(sched.requests) + (list(self.sender.held_request_ids) if self.sender else []),
+            request_ids=self.requests.held_ids(),
         )
 
     def status(self) -> dict:
@@ -230,9 +251,9 @@ class PrefillNode:
             "node_id": self.node_id, "role": self.role, "num_total_blocks": bm.num_blocks,
             "num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_running": len(self.engine.scheduler.running), "num_waiting": len(self.engine.scheduler.waiting),
-            "num_leases": self.sender.num_held if self.sender else 0,
+            "num_leases": self.requests.num(Stage.HANDED_OFF),
             "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
-            "num_preemptions": self.engine.scheduler.num_preemptions, "timings": list(self.timings),
+            "num_preemptions": self.engine.scheduler.num_preemptions, "timings": list(self.requests.recent),
             "pid": os.getpid(),
         }
 
@@ -240,5 +261,5 @@ class PrefillNode:
         """Called from the status thread at scrape time: reads counters, changes nothing."""
         sender = self.sender
         return engine_snapshot(self.engine, num_bytes_sent=sender.num_bytes_sent if sender else 0,
-                               num_leases=sender.num_held if sender else 0,
+                               num_leases=self.requests.num(Stage.HANDED_OFF),
                                num_outstanding_prompt_tokens=self.outstanding_tokens())

@@ -148,7 +148,7 @@ def test_handoff_moves_node_metrics(tiny_llama, no_leak):
                                       "d0", receiver.kv_addr))
         queued = samples(prefill.metrics.render())  # before any step: the whole prompt is outstanding
         deadline = time.monotonic() + 60
-        while not (prefill.is_idle() and decode.is_idle() and decode.timings):
+        while not (prefill.is_idle() and decode.is_idle() and decode.requests.recent):
             assert time.monotonic() < deadline, "the hand-off did not finish"
             prefill.run_once()
             decode.run_once()

@@ -43,6 +43,7 @@ def test_prefill_queue_limit(tiny_llama, no_leak):
         errors = errors_from(router)
         assert [(e.request_id, e.retryable) for e in errors] == [("r2", True), ("r3", True)]
         assert "queue full" in errors[0].message and set(engine.scheduler.requests) == {"r0", "r1"}
+        assert node.requests.held_ids() == ["r0", "r1"] and len(node.requests) == 2  # the refused ones forgotten
         while engine.has_unfinished():
             node.run_once()
     finally:
@@ -76,7 +77,7 @@ def test_decode_queue_limit(tiny_llama, no_leak):
         assert [r.request_id for r in engine.scheduler.waiting_for_kv] == ["r0"]
         assert [rid for rid, _ in released] == ["r1", "r2"] and "queue full" in released[0][1]
         assert [e.request_id for e in errors_from(router)] == ["r1", "r2"]
-        assert engine.block_manager.num_used_blocks == 0
+        assert engine.block_manager.num_used_blocks == 0 and node.requests.held_ids() == ["r0"]
     finally:
         node.link.close()
         router.close(0)

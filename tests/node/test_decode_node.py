@@ -12,6 +12,7 @@ import zmq
 from pdserve.engine.request import RequestStatus
 from pdserve.kvtransfer.receiver import KVEvent, KVEventKind
 from pdserve.node.faults import FaultInjection
+from pdserve.node.requests import Stage
 from pdserve.node.router_link import RouterLink
 from pdserve.protocol.messages import Abort, Error, KVReady, decode
 from tests.kvtransfer.test_node_metrics import make_engine
@@ -96,7 +97,7 @@ def test_pull_done_decode(tiny_llama, router, no_leak):
         receiver.events = [KVEvent(KVEventKind.DONE, "r1", num_bytes=4096)]
         while not node.is_idle():
             node.run_once()
-        assert node.timings[-1]["request_id"] == "r1" and "kv_done" in node.timings[-1]
+        assert node.requests.recent[-1]["request_id"] == "r1" and "kv_done" in node.requests.recent[-1]
         assert node.num_kv_bytes_received > 0
     finally:
         node.link.close()
@@ -123,7 +124,7 @@ def test_waits_for_blocks_renews_its_lease_then_fails(tiny_llama, router, no_lea
         assert [rid for rid, _ in receiver.pulls] == ["r1"] and bm.num_used_blocks > 0
         receiver.events = [KVEvent(KVEventKind.FAILED, "r1", error="no data")]
         node.run_once()
-        assert node.is_idle() and bm.num_used_blocks == 0
+        assert node.is_idle() and bm.num_used_blocks == 0 and not node.engine.has_unfinished()
         errors = errors_from(router[0])
         assert [(e.request_id, e.retryable) for e in errors] == [("r1", True)] and "no data" in errors[0].message
     finally:
@@ -141,8 +142,10 @@ def test_abort_while_waiting_or_receiving_releases(tiny_llama, router, no_leak, 
         receiver.events = [ready("r1")]
         node.run_once()
         assert bool(receiver.pulls) == pulled
+        assert node.requests.stage("r1") is (Stage.RECEIVING_KV if pulled else Stage.WAITING_FOR_KV)
         node.handle(Abort("r1"))
         assert receiver.released == [("r1", "aborted")] and node.engine.scheduler.requests == {}
+        assert "r1" not in node.requests
         bm.free("hog")
         receiver.events = [KVEvent(KVEventKind.DONE, "r1", num_bytes=4096)]  # a late DONE is ignored
         node.run_once()

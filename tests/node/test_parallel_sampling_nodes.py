@@ -94,6 +94,7 @@ def test_greedy_choices_equal_transformers_with_one_transfer(pair, tiny_llama, c
                      direction="received") == kv_bytes
     assert_no_leak(pair.prefill.engine.block_manager)
     assert_no_leak(pair.decode.engine.block_manager)
+    assert len(pair.prefill.requests) == 0 and len(pair.decode.requests) == 0
 
 
 def test_seeded_choices_equal_single_requests_with_the_derived_seed(pair, tiny_llama):
@@ -117,6 +118,8 @@ def test_aborts_free_every_block_on_both_nodes(pair, when):
     pair.run(until=lambda: all(len(pair.tokens(child_id("a", i))) >= 3 for i in range(4)))
     de = pair.decode.engine
     assert sorted(de.scheduler.requests) == [child_id("a", i) for i in range(4)]
+    assert sorted(pair.decode.heartbeat().request_ids) == sorted(de.scheduler.requests)  # the table agrees
+    assert pair.decode.requests.family("a") == [child_id("a", i) for i in range(4)]
     if when == "one_choice":  # the router found a stop string in choice 2 alone
         pair.decode.handle(Abort(child_id("a", 2)))
         assert sorted(de.scheduler.requests) == [child_id("a", i) for i in (0, 1, 3)]
@@ -124,5 +127,6 @@ def test_aborts_free_every_block_on_both_nodes(pair, when):
     pair.prefill.handle(Abort("a"))
     pair.run()
     assert not de.scheduler.requests
+    assert len(pair.decode.requests) == 0 and len(pair.prefill.requests) == 0  # forgotten on both nodes
     assert_no_leak(de.block_manager)
     assert_no_leak(pair.prefill.engine.block_manager)

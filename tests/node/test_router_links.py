@@ -163,15 +163,13 @@ def test_a_request_of_no_known_router_goes_to_every_router(two_routers):
         assert [t.request_id for m in r.recv_all() if isinstance(m, TokenBatch) for t in m.tokens()] == ["rx"]
 
 
-def test_origins_of_requests_no_heartbeat_lists_are_forgotten(two_routers):
+def test_an_origin_lives_in_the_request_table_and_goes_with_the_request(two_routers):
     (a, b), links = two_routers
     a.send(prefill_request("ra"))
     poll_until(links, 1)
-    assert links.origins == {"ra": a.addr}
-    for _ in range(2):  # two refreshes in a row without it
-        links._last_refresh = 0.0
-        links.maybe_heartbeat(lambda: heartbeat([]))
-    assert links.origins == {}
+    assert links.requests.origin("ra") == a.addr and links.requests.held_ids() == []  # noted, not yet taken
+    links.requests.forget_unadmitted("ra")  # the node refused it
+    assert links.origin("ra") == "" and len(links.requests) == 0
 
 
 def test_routers_found_later_in_dns_are_registered_with():
