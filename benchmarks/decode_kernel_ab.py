@@ -1,4 +1,4 @@
-"""The engine's decode step with the compiled CPU ops (kernels/cpu_decode.cpp: the decode attention
+"""The engine's decode step with the compiled CPU ops (kernels/cpu_*.cpp: the decode attention
 kernel and the fused residual add + RMSNorm, RoPE + K/V store and SiLU x up) against the torch code
 they replace (gather + SDPA, the torch elementwise ops), in one process: the same engine and
 requests, the two taking turns step by step (PDSERVE_CPU_NATIVE switched between steps), medians

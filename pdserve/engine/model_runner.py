@@ -40,8 +40,8 @@ from pdserve.engine.loader import iter_safetensors
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import LlamaForCausalLM
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
+from pdserve.engine.ops.linear import pack_cpu_linears
 from pdserve.engine.parallel import state
-from pdserve.engine.parallel.layers import pack_cpu_linears
 from pdserve.engine.parallel.sharding import check_tp, num_kv_heads_per_rank
 from pdserve.engine.parallel.step_wire import HostBatch, Step
 from pdserve.engine.rejection_sampler import verify_drafts
@@ -199,7 +199,7 @@ class ModelRunner:
         model.rotary.float()  # RoPE tables stay float32, as in transformers
         if self.device.type == "cpu" and (self.dtype == torch.float32
                                           or (self.dtype == torch.bfloat16 and cpu_has_native_bf16())):
-            pack_cpu_linears(model)  # oneDNN copies of fp32 weights, AMX tiles of bf16 ones (parallel/layers.py)
+            pack_cpu_linears(model)  # oneDNN copies of fp32 weights, AMX tiles of bf16 ones (ops/linear.py)
             model.fuse_silu()  # with AMX tiles: each MLP's SiLU x up in its gate_up GEMM (models/llama.py)
         if self.dtype == torch.bfloat16 and self.device.type == "cpu" and not cpu_has_native_bf16():
             num = use_fp32_gemms_for_bf16(model)

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.ops.argmax import argmax_rows
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels import cpu_native
 
 _MASK64 = (1 << 64) - 1
 _DRAW_BLOCK = 256  # the CDF is built per block of this many tokens: a full-row cumsum is slow on CPU
@@ -101,20 +101,6 @@ class Sampler:
 
 
 _LOGIT_LIMIT = 1e30  # penalized logits are clamped to +-this
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[S] int64: each row's argmax, the first on ties and a NaN's index where a row has one, as
-    torch's. On the CPU by the compiled op (kernels/cpu_decode.cpp: argmax_rows: float32 or bf16
-    as they are, on every thread; 16 x 49,152 bf16 logits in 0.05 ms warm against 0.30 ms for an
-    upcast then numpy's argmax), else through numpy: torch's argmax over the last dim is not
-    vectorised there (10x slower on 16 x 49,152 or 256 x 512 rows; benchmarks/host_overhead.py)."""
-    if logits.device.type != "cpu" or logits.dim() != 2:
-        return logits.argmax(-1)
-    native = cpu_native.load() if logits.dtype in cpu_native.DTYPES and logits.stride(1) == 1 else None
-    if native is not None and logits.shape[1] > 0:
-        return native.argmax_rows(logits)
-    return torch.from_numpy((logits if logits.dtype == torch.float64 else logits.float()).numpy().argmax(1))
 
 
 def seeded_uniform(seed: int, position: int) -> float:

@@ -1,10 +1,10 @@
-// bf16 GEMMs on Intel AMX tiles for a bf16 model's linear layers on CPUs that have them (issue 13).
+// bf16 GEMMs on Intel AMX tiles for a bf16 model's linear layers on CPUs that have them.
 //
 // y = x W^T (+ b) for x bf16 [M, K] and W bf16 [N, K], the sums in fp32, rounded once to bf16 (or
 // kept fp32): what a native bf16 GEMM computes. oneDNN runs the same instructions, but at decode
-// sizes (1-16 rows) it took ~14 ms for the default model's 121 GEMMs on 2 cores, where streaming
-// their 256 MiB of weights takes ~8.5: its fixed cost per call and its blocking for larger
-// problems. Here a call is one pass over the weights, each weight tile read from memory once.
+// sizes (1-16 rows) its fixed cost per call and its blocking for larger problems keep it well above
+// the time of streaming the weights once. Here a call is one pass over the weights, each weight
+// tile read from memory once.
 //
 // W is packed once (pack_tiles) as the B operand of TDPBF16PS wants it: per panel of 16 weight
 // rows (16 output columns), per 32 k, one 1 KiB tile of 16 rows (k pairs) x 16 columns x 2 (the
@@ -79,8 +79,8 @@ AMX_TARGET void write_silu_row(const float* c, int64_t pairs, uint16_t* y) {
 
 // A block's staged sums on their way to y: write_row (or write_silu_row) a few rows at a time,
 // called between the tile steps of the next block, so the vector units store one block while the
-// tile unit multiplies the next (a block's stores after its products left the tile unit idle: a
-// third of a prefill-sized GEMM's time, benchmarks/RESULTS.md, tenth part). The same stores.
+// tile unit multiplies the next (a block's stores after its products would leave the tile unit
+// idle). The same stores.
 struct Stores {
   const float* c = nullptr;  // the block's sums, ldc floats a row
   int64_t ldc = 0, rows = 0, next = 0, per_step = 1;  // next: the first row not yet stored
@@ -129,8 +129,7 @@ struct AskAhead {
 
 // What a tile step does besides its products: the block before's stores and, with kAhead (calls
 // of several row blocks), the asking ahead. A decode call's tile loops are compiled without the
-// asking ahead: with it in the same structure, unused, its 16-row GEMMs ran 3-13% slower
-// (benchmarks/RESULTS.md, fifteenth part).
+// asking ahead: with it in the same structure, unused, the 16-row GEMMs run slower.
 template <bool kAhead>
 struct Epilogue {
   Stores stores;

@@ -1,6 +1,5 @@
 // Causal attention of a prefill chunk (one request's new queries over its paged K/V) on AMX tiles,
-// for bf16 caches with head_dim 64 or 128 (issue 13: a 512-token chunk spent ~37 of its ~120 ms in
-// SDPA and the gathers around it).
+// for bf16 caches with head_dim 64 or 128, in place of SDPA and the gathers around it.
 //
 // The scores are computed transposed, S^T = K Q^T: a vector's 16 lanes are 16 queries, so each
 // query's max and sum over its keys are vertical (one op per 16 scores, no reduction across lanes)

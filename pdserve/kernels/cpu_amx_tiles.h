@@ -26,7 +26,7 @@ constexpr int64_t kDepth = 32;  // k of one tile (16 pairs of bf16)
 constexpr int64_t kTile = kDepth * kCols;  // bf16 per B tile (1 KiB)
 
 // Memory on 64-byte lines for what the tiles load or store: a tile row that straddles two cache
-// lines costs a tile load ~4x (~40 against ~9 cycles on the issue-13 machine; a std::vector's
+// lines costs a tile load ~4x (a std::vector's
 // malloc memory sits 16 bytes past a line).
 template <typename T>
 struct LineAllocator {

@@ -1,4 +1,4 @@
-"""oneDNN weight copies on the CPU (engine/parallel/layers.py: cpu_linear, pack_cpu_linears)."""
+"""oneDNN weight copies on the CPU (engine/ops/linear.py: cpu_linear, pack_cpu_linears)."""
 
 import pytest
 import torch
@@ -6,13 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.cpu_bf16 import Bf16ViaFp32Linear
-from pdserve.engine.parallel import layers
-from pdserve.engine.parallel.layers import (
-    PACK_MIN_WEIGHTS,
-    ColumnParallelLinear,
-    RowParallelLinear,
-    pack_cpu_linears,
-)
+from pdserve.engine.ops import linear as layers
+from pdserve.engine.ops.linear import PACK_MIN_WEIGHTS, pack_cpu_linears
+from pdserve.engine.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -1,5 +1,5 @@
 """The AMX bf16 GEMM (kernels/cpu_amx.cpp: pack_tiles, gemm_tiles) and the bf16 layers that use it
-(engine/parallel/layers.py: Tiles, cpu_linear). Skipped on CPUs without AMX-BF16; there a bf16
+(kernels/cpu_gemm.py: Tiles; engine/ops/linear.py: cpu_linear). Skipped on CPUs without AMX-BF16; there a bf16
 layer keeps F.linear, which the model tests cover."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel import layers
+from pdserve.engine.ops import linear as layers
+from pdserve.engine.parallel.layers import ColumnParallelLinear
 from pdserve.kernels import cpu_native
+from pdserve.kernels.cpu_gemm import Tiles
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def test_the_tile_gemm_refuses_what_does_not_fit(ops):
 
 def test_a_bf16_layer_takes_the_tiles_up_to_their_rows_and_f_linear_beyond(ops):
     torch.manual_seed(0)
-    model = nn.Sequential(layers.ColumnParallelLinear(40, [(0, 50, 50)], bias=True)).bfloat16()
+    model = nn.Sequential(ColumnParallelLinear(40, [(0, 50, 50)], bias=True)).bfloat16()
     layer = model[0]
     assert layers.pack_cpu_linears(model) == 1 and layer.tiles is not None
     assert layer.packed is None and layer.panels is None  # no oneDNN copy of a bf16 weight
@@ -118,7 +120,7 @@ def test_a_bf16_layer_takes_the_tiles_up_to_their_rows_and_f_linear_beyond(ops):
 
 
 def test_no_tiles_for_fp32_or_without_amx(ops, monkeypatch):
-    model = nn.Sequential(layers.ColumnParallelLinear(40, [(0, 50, 50)], bias=False))
+    model = nn.Sequential(ColumnParallelLinear(40, [(0, 50, 50)], bias=False))
     layers.pack_cpu_linears(model)
     assert model[0].tiles is None  # an fp32 layer: oneDNN and the panels (test_cpu_gemm.py)
     monkeypatch.setattr(cpu_native, "load", lambda: None)  # no compiled ops
@@ -132,14 +134,14 @@ def test_the_fused_gate_up_gives_the_gemm_then_silu_mul(ops, rows, inter, depth)
     g = torch.Generator().manual_seed(rows + inter)
     w = (torch.randn(2 * inter, depth, generator=g) * 0.3).bfloat16()  # gate rows, then up rows
     x = torch.randn(rows, depth, generator=g).bfloat16()
-    fused = layers.Tiles(ops, w, silu=True)
+    fused = Tiles(ops, w, silu=True)
     assert fused(x).shape == (rows, inter)
-    assert torch.equal(fused(x), ops.silu_mul(layers.Tiles(ops, w)(x)))
+    assert torch.equal(fused(x), ops.silu_mul(Tiles(ops, w)(x)))
 
 
 def test_the_fused_gate_up_refuses_what_it_cannot_pair(ops):
     with pytest.raises(ValueError, match="multiple of 16 rows"):
-        layers.Tiles(ops, torch.randn(2 * 24, 32).bfloat16(), silu=True)
+        Tiles(ops, torch.randn(2 * 24, 32).bfloat16(), silu=True)
     tiles = ops.pack_tiles(torch.randn(48, 32).bfloat16())  # 3 panels: no (gate, up) pairs
     with pytest.raises(RuntimeError, match="interleaved"):
         ops.gemm_tiles_silu(torch.randn(2, 32).bfloat16(), tiles, 48)

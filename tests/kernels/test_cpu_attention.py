@@ -294,7 +294,7 @@ def test_default_backend_per_device_and_environment_override(monkeypatch):
         resolve_backend(None, torch.device("cpu"))
 
 
-# ---- the compiled decode kernel (cpu_decode.cpp) -----------------------------------------------
+# ---- the compiled decode kernel (cpu_decode_attention.cpp) -------------------------------------
 
 
 def test_the_decode_kernel_builds_on_this_machine():

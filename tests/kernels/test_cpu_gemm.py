@@ -1,5 +1,5 @@
-"""The compiled few-row GEMM on bf16 or fp32 weights (kernels/cpu_decode.cpp: pack_panels,
-gemm_panels) and the layers that use it (engine/models/cpu_bf16.py, engine/parallel/layers.py)."""
+"""The compiled few-row GEMM on bf16 or fp32 weights (kernels/cpu_gemm.cpp: pack_panels,
+gemm_panels) and the layers that use it (engine/models/cpu_bf16.py, engine/ops/linear.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models import cpu_bf16
-from pdserve.engine.parallel import layers
+from pdserve.engine.ops import linear as layers
+from pdserve.engine.parallel.layers import ColumnParallelLinear
 from pdserve.kernels import cpu_native
 
 
@@ -123,7 +124,7 @@ def test_a_bf16_layer_takes_the_panels_for_a_few_rows_and_onednn_for_more(ops, m
 def test_an_fp32_layer_takes_the_panels_for_a_few_rows_and_onednn_for_more(ops, monkeypatch):
     monkeypatch.setattr(layers, "PACK_MIN_WEIGHTS", 0)
     torch.manual_seed(0)
-    model = nn.Sequential(layers.ColumnParallelLinear(40, [(0, 50, 50)], bias=True))
+    model = nn.Sequential(ColumnParallelLinear(40, [(0, 50, 50)], bias=True))
     layer = model[0]
     assert layers.pack_cpu_linears(model) == 1 and layer.packed is not None and layer.panels is not None
     assert layer.panels.panels.dtype == torch.float32

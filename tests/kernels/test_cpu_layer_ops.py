@@ -1,5 +1,5 @@
-"""The compiled CPU ops of a decoder layer (kernels/cpu_decode.cpp: add_rms_norm, rope_store_kv,
-silu_mul) against the torch code they replace (engine/models/llama.py): RoPE, the K/V store and the
+"""The compiled CPU ops of a decoder layer (kernels/cpu_elementwise.cpp: add_rms_norm, rope_store_kv,
+silu_mul) against the torch code they replace (engine/ops/: forward_native): RoPE, the K/V store and the
 residual add bit for bit; RMSNorm and SiLU (summation order, a polynomial exp) within a few ulps.
 Greedy sampling's argmax_rows against torch.argmax. And a whole model's forward with the ops against
 the same model without them."""
@@ -18,7 +18,8 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import llama
 from pdserve.engine.models.cpu_bf16 import use_fp32_gemms_for_bf16
 from pdserve.engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from pdserve.engine.parallel import layers
+from pdserve.engine.ops import layer_ops
+from pdserve.engine.ops import linear as layers
 from pdserve.kernels import cpu_native, store_kv
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -125,8 +126,9 @@ def test_add_rms_norm_against_the_torch_norm(ops, dtype, delta_dtype, fp32_out, 
     assert ulps(got, want, got.dtype) <= (1 if got.dtype == torch.bfloat16 else 8)
     # and add_norm as the model calls it, with and without the op
     res_a, res_b = residual.clone(), residual.clone()
-    normed_a, res_a = norm.add_norm(delta, res_a, ops) if delta is not None else norm.add_norm(res_a, None, ops)
-    normed_b, res_b = norm.add_norm(delta, res_b) if delta is not None else norm.add_norm(res_b, None)
+    op = layer_ops.add_rms_norm
+    normed_a, res_a = op.forward_cpu(ops, delta, res_a, norm) if delta is not None else op.forward_cpu(ops, res_a, None, norm)
+    normed_b, res_b = op.forward_native(delta, res_b, norm) if delta is not None else op.forward_native(res_b, None, norm)
     assert torch.equal(res_a, res_b) and torch.equal(normed_a, got) and torch.equal(normed_b, want)
 
 
@@ -336,7 +338,7 @@ def test_the_direct_gemm_path_gives_the_module_path_bits(ops, form, monkeypatch)
 
 @pytest.mark.parametrize("form", ["float32", "bf16-via-fp32", "bf16-amx", "bf16-amx-silu"])
 def test_the_compiled_layer_loop_gives_the_python_layers_bits(ops, form, monkeypatch):
-    # a step of decodes only: layers 1.. in one call (kernels/cpu_decode.cpp: decode_layers)
+    # a step of decodes only: layers 1.. in one call (kernels/cpu_decode_step.cpp: decode_layers)
     model, dtype = _packed_model(form, monkeypatch)
     decodes = {"q_lens": (1, 1, 1), "seq_lens": (7, 20, 3)}
     counting = CountingOps(ops)
@@ -369,7 +371,7 @@ def test_the_fused_gate_up_gives_the_unfused_bits(ops, monkeypatch):
     h = torch.randn(layers.TILE_MAX_ROWS + 1, fused.config.hidden_size).bfloat16()
     mlp_f, mlp_p = fused.layers[0].mlp, plain.layers[0].mlp
     with mock.patch.dict(cpu_native._state, {"module": ops}):  # beyond the tiles' rows: F.linear, then silu_mul
-        torch.testing.assert_close(mlp_f(h, ops), mlp_p(h, ops), atol=5e-2, rtol=2e-2)
+        torch.testing.assert_close(mlp_f(h), mlp_p(h), atol=5e-2, rtol=2e-2)
     assert mlp_f.activation(layers.TILE_MAX_ROWS + 1) is None
 
 

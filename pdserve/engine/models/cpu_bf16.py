@@ -1,23 +1,20 @@
 """bfloat16 linear layers on CPUs without native bf16 matmuls (no AVX512-BF16 / AMX).
 
-There, torch's bf16 GEMM falls back to a slow path (about 10x slower than fp32 on an AVX2
-machine), while a native bf16 GEMM — oneDNN with AVX512-BF16, or a GPU's tensor cores —
-multiplies bf16 inputs exactly and accumulates in fp32. This layer does the same math with an
-fp32 GEMM: the weights are bf16 values held in fp32 (products of bf16 values are exact in fp32),
-the activations are bf16 values widened to fp32, the sum accumulates in fp32, and the output is
-rounded back to bf16. The residual stream, attention and the KV cache stay bf16; a norm's output
-and the MLP's activation go to their GEMM in fp32 (`hand_fp32_to_gemms`). The fp32 GEMM is the
-CPU's fastest for several rows (engine/parallel/layers.py: `cpu_linear`) on a oneDNN copy of the
-fp32 weight; a layer too small for the copy keeps the fp32 weight itself for F.linear.
+There, torch's bf16 GEMM falls back to a slow path (several times slower than fp32), while a native
+bf16 GEMM (oneDNN with AVX512-BF16, a GPU's tensor cores) multiplies bf16 inputs exactly and
+accumulates in fp32. This layer does the same math with an fp32 GEMM: the weights are bf16 values
+held in fp32 (products of bf16 values are exact in fp32), the activations are bf16 values widened
+to fp32, the sum accumulates in fp32, and the output is rounded back to bf16. The residual stream,
+attention and the KV cache stay bf16; a norm's output and the MLP's activation go to their GEMM in
+fp32 (`hand_fp32_to_gemms`). Several rows run the CPU's fastest fp32 GEMM (engine/ops/linear.py:
+`cpu_linear`) on a oneDNN copy of the fp32 weight; a layer too small for the copy keeps the fp32
+weight itself for F.linear.
 
-A few rows (1 to layers.PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
-packed once in 16-column panels (kernels/cpu_decode.cpp: gemm_panels), where the compiled
-ops load: half the bytes of the fp32 copy, fp32 sums in k order (a row gets the same bits in any
-batch); on an AVX2 EPYC (2 threads) the default model's GEMMs at 16 rows were level with
-oneDNN's (a batch-16 step 0.90x with them), and took 19-24 ms at one row against torch's bf16
-GEMV's 27-33 (benchmarks/cpu_floor.py). More rows (prefill chunks) run oneDNN on the fp32 copy. Without the
-compiled ops one row runs torch's bf16 GEMV on the bf16 weights, which also sums in fp32 and
-rounds once. The layer keeps the bf16 weights, the panels and the oneDNN copy: 2x the fp32
+A few rows (1 to linear.PANEL_MAX_ROWS: decode batches) run pdserve's own GEMM on the bf16 weights,
+packed once in 16-column panels (kernels/cpu_gemm.cpp: gemm_panels), where the compiled ops load:
+half the bytes of the fp32 copy, fp32 sums in k order (a row gets the same bits in any batch).
+Without the compiled ops one row runs torch's bf16 GEMV on the bf16 weights, which also sums in
+fp32 and rounds once. The layer keeps the bf16 weights, the panels and the oneDNN copy: 2x the fp32
 layer's memory.
 """
 
@@ -29,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.parallel.layers import Panels, cpu_linear, direct_gemm, onednn_packed_weight
+from pdserve.engine.ops.linear import cpu_linear, direct_gemm, onednn_packed_weight
 from pdserve.kernels import cpu_native
+from pdserve.kernels.cpu_gemm import Panels
 
 
 class Bf16ViaFp32Linear(nn.Module):
@@ -63,7 +61,7 @@ class Bf16ViaFp32Linear(nn.Module):
         if x.numel() <= x.shape[-1] and (self.panels is None or x.dim() != 2 or x.numel() == 0):
             # one row off the panels (or no row): torch's GEMV over the bf16 weights
             y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16)
-        else:  # the panels up to layers.PANEL_MAX_ROWS rows, else oneDNN (cpu_linear chooses)
+        else:  # the panels up to linear.PANEL_MAX_ROWS rows, else oneDNN (cpu_linear chooses)
             # (a no-op conversion still costs a call: ~2 us, 120 a step)
             packed = self.packed
             y = cpu_linear(x if x.dtype == torch.float32 else x.float(), None if packed is not None else self.weight32,
@@ -73,8 +71,8 @@ class Bf16ViaFp32Linear(nn.Module):
         return y if self.tp_combine is None else self.tp_combine(y)
 
     def direct_gemm(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """layers.direct_gemm, where the fp32 output is handed on: the panels' GEMM up to
-        layers.PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
+        """linear.direct_gemm, where the fp32 output is handed on: the panels' GEMM up to
+        linear.PANEL_MAX_ROWS rows, else oneDNN's from two rows (one row without panels is the GEMV)."""
         if self.out_dtype not in (None, torch.float32) or (rows == 1 and self.panels is None):
             return None
         return direct_gemm(self.packed, self.bias32, rows, self.tp_combine, self.panels)

@@ -7,10 +7,12 @@ outputs match it token for token in float32.
 
 The residual stream runs beside the layers' outputs (as in vLLM): each norm adds the last block's
 output to the residual and normalises the sum (`RMSNorm.add_norm`), the same math as
-`x = x + block(norm(x))`. On a CPU with the compiled ops (kernels/cpu_native.py: `native`), the
-residual add and norm, RoPE with the K/V store, and SiLU x up each run as one call instead of
-several torch ops (kernels/cpu_decode.cpp says what is bit for bit the same); `native` is None on a
-GPU, without the build, or with PDSERVE_CPU_NATIVE=0, and the torch code below runs.
+`x = x + block(norm(x))`. The elementwise ops (add + norm, RoPE + K/V store, SiLU x up) and
+attention pick their implementation by device (engine/ops/: compiled on a CPU, torch elsewhere or
+without the build); the model has one forward path. Two CPU fast paths keep its ops and their order
+(so its bits): a layer's GEMMs called straight, chosen once per row count (`layer_gemms`,
+`DecoderLayer.forward_direct`), and a step of decodes through layers 1.. in one compiled call
+(`decode_rest`, the one place that dispatches to it).
 
 With tensor parallelism (engine/parallel/) the model is built as the shard of this process's rank
 (`tp_rank()` of `tp_size()`): its query and KV heads, its MLP rows, its vocab rows; `load_weights`
@@ -20,29 +22,29 @@ slices the full checkpoint tensors. At size 1 that is the whole model, with no c
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.ops.layer_ops import add_rms_norm, silu_mul
+from pdserve.engine.ops.linear import TILE_MAX_ROWS, SiluAfter, compiled_gemm
+from pdserve.engine.ops.rotary import RotaryEmbedding, RotaryRows, rope_store_kv
 from pdserve.engine.parallel.layers import (
-    TILE_MAX_ROWS,
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
-    SiluAfter,
-    Tiles,
     VocabParallelEmbedding,
-    compiled_gemm,
 )
 from pdserve.engine.parallel.sharding import check_tp, kv_head_range, q_head_range, shard_range
 from pdserve.engine.parallel.state import tp_rank, tp_size
-from pdserve.kernels import cpu_native, paged_attention, store_kv
+from pdserve.kernels import cpu_native, paged_attention
 from pdserve.kernels.cpu_attention import DIRECT_DECODE
+from pdserve.kernels.cpu_gemm import Tiles
+
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "RMSNorm", "RotaryEmbedding", "RotaryRows"]
 
 # Row counts up to this keep their layers' chosen GEMMs (LlamaForCausalLM.layer_gemms): decode
 # batches; a prefill chunk's step is long enough that choosing again does not show.
@@ -67,74 +69,9 @@ class RMSNorm(nn.Module):
             return self.weight32 * x32
         return self.weight * x32.to(x.dtype)
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, native=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(r), r) with r = residual + x rounded to the residual's dtype, or r = x when there is
-        no residual yet (the first layer). The compiled op updates the residual in place."""
-        if native is not None:
-            fp32_out = self.weight32 is not None
-            if residual is None:
-                residual, x = x, None
-            return native.add_rms_norm(residual, x, self.weight32 if fp32_out else self.weight, self.eps,
-                                       fp32_out), residual
-        residual = x if residual is None else residual + x.to(residual.dtype)
-        return self(residual), residual
-
-
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the attention scaling, for default/linear/llama3 RoPE."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif rope_type == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        inv_freq = torch.where(is_medium, smoothed, scaled)
-    return inv_freq, 1.0
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE as transformers applies it, `x * cos + rotate_half(x) * sin`, with rotate_half(x) =
-    cat(-x2, x1) written as roll(x) = cat(x2, x1) times a sin table whose first half is negated:
-    the same products bit for bit (negation is exact), one op instead of two slices, a neg and a cat.
-    `at(positions, dtype)` looks the rows up once per forward; every layer applies them."""
-
-    def __init__(self, config: ModelConfig, max_len: int) -> None:
-        super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(config)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_len, head_dim]
-        half = config.head_dim // 2
-        sin = emb.sin() * attention_scaling
-        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin_signed", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1), persistent=False)
-
-    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryRows:
-        return RotaryRows(self.cos[positions].to(dtype).unsqueeze(1), self.sin_signed[positions].to(dtype).unsqueeze(1))
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.at(positions, q.dtype)(positions, q, k)
-
-
-class RotaryRows:
-    """One forward's RoPE rows, cos and signed sin [T, 1, head_dim] in the activation dtype; called
-    like RotaryEmbedding (positions, q, k) so that Attention takes either."""
-
-    def __init__(self, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
-        self.cos, self.sin_signed = cos, sin_signed
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]
-        half = q.shape[-1] // 2
-        return (q * self.cos + q.roll(half, -1) * self.sin_signed,
-                k * self.cos + k.roll(half, -1) * self.sin_signed)
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(r), r) with r = residual + x, or r = x for the first layer (ops.layer_ops.AddRMSNorm)."""
+        return add_rms_norm(x, residual, self)
 
 
 class Attention(nn.Module):
@@ -154,38 +91,21 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_part, config.hidden_size, size)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        rotary: RotaryEmbedding | RotaryRows,
-        native=None,
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], rotary: RotaryEmbedding | RotaryRows) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # float32 where the GEMM hands fp32 on (hand_fp32_to_gemms)
-        return self.o_proj(self.attend(positions, qkv, meta, kv_cache, rotary, native))
+        return self.o_proj(self.attend(positions, qkv, meta, kv_cache, rotary))
 
-    def attend(self, positions, qkv, meta, kv_cache, rotary, native=None) -> torch.Tensor:
+    def attend(self, positions, qkv, meta, kv_cache, rotary) -> torch.Tensor:
         """RoPE on the qkv projection's q and k, k and v into the paged caches, paged attention:
         [T, q_size] in the cache's dtype."""
-        num_tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
-        if native is not None and isinstance(rotary, RotaryRows):
-            q = native.rope_store_kv(qkv, rotary.cos, rotary.sin_signed, k_cache, v_cache, meta.slot_mapping,
-                                     self.num_heads)
-        else:
-            q, k, v = qkv.to(k_cache.dtype).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            q, k = rotary(positions, q, k)
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = rope_store_kv(qkv, positions, rotary, kv_cache, meta.slot_mapping, self)
         out = paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, plans=meta.plans,
         )  # [T, num_heads, head_dim]
-        return out.view(num_tokens, self.q_size)
+        return out.view(qkv.shape[0], self.q_size)
 
 
 class MLP(nn.Module):
@@ -198,7 +118,7 @@ class MLP(nn.Module):
         self.gate_up_silu: Tiles | None = None  # the gate_up GEMM with SiLU x up fused (fuse_silu)
 
     def fuse_silu(self) -> bool:
-        """Where the gate_up projection has AMX tiles (parallel/layers.py: pack_cpu_linears), pack it
+        """Where the gate_up projection has AMX tiles (ops/linear.py: pack_cpu_linears), pack it
         again with SiLU x up fused into the GEMM (Tiles(silu=True): the same bits, no [T, 2I]
         output) and drop the unfused tiles; True if done."""
         proj = self.gate_up_proj
@@ -210,20 +130,20 @@ class MLP(nn.Module):
 
     def activation(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """h -> the down projection's input at `rows` rows as one call: the fused tiles, or the
-        gate_up GEMM's direct call then silu_mul (SiluAfter); None where neither is a direct call."""
+        gate_up GEMM's direct call then SiLU x up (SiluAfter); None where neither is a direct call."""
         if self.gate_up_silu is not None and rows <= TILE_MAX_ROWS:
             return self.gate_up_silu
         gemm = self.gate_up_proj.direct_gemm(rows)
-        return None if gemm is None else SiluAfter(gemm, cpu_native.load())
+        return None if gemm is None else SiluAfter(gemm)
 
-    def forward(self, x: torch.Tensor, native=None) -> torch.Tensor:
+    def activate(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x's gate_up projection: the down projection's input."""
         if self.gate_up_silu is not None and x.dim() == 2 and 0 < x.shape[0] <= TILE_MAX_ROWS:
-            return self.down_proj(self.gate_up_silu(x))
-        gate_up = self.gate_up_proj(x)
-        if native is not None:
-            return self.down_proj(native.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            return self.gate_up_silu(x)
+        return silu_mul(self.gate_up_proj(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activate(x))
 
 
 class DecoderLayer(nn.Module):
@@ -234,17 +154,28 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, meta, kv_cache, rotary, native=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions, x, residual, meta, kv_cache, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it is added); residual None: the
         first layer, x the embeddings (the next norm adds the output: RMSNorm.add_norm)."""
-        h, residual = self.input_layernorm.add_norm(x, residual, native)
-        h = self.self_attn(positions, h, meta, kv_cache, rotary, native)
-        h, residual = self.post_attention_layernorm.add_norm(h, residual, native)
-        return self.mlp(h, native), residual
+        attn, mlp = self.self_attn, self.mlp
+        return self._run(positions, x, residual, meta, kv_cache, rotary,
+                         (attn.qkv_proj, attn.o_proj, mlp.activate, mlp.down_proj))
+
+    def forward_direct(self, positions, x, residual, meta, kv_cache, rotary, gemms):
+        """forward with its four GEMMs called straight (`direct_gemms`): the same ops in the same
+        order, so the same bits, without the Python of the module calls around them."""
+        return self._run(positions, x, residual, meta, kv_cache, rotary, gemms)
+
+    def _run(self, positions, x, residual, meta, kv_cache, rotary, gemms):
+        qkv, o, activation, down = gemms
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        out = self.self_attn.attend(positions, qkv(h), meta, kv_cache, rotary)
+        h, residual = self.post_attention_layernorm.add_norm(o(out), residual)
+        return down(activation(h)), residual
 
     def direct_gemms(self, rows: int) -> list[Callable[[torch.Tensor], torch.Tensor]] | None:
         """The GEMMs of the qkv, o, gate_up and down projections as plain calls when each of them,
-        at `rows` rows, is exactly one GEMM with its output handed on as it is (parallel/layers.py:
+        at `rows` rows, is exactly one GEMM with its output handed on as it is (ops/linear.py:
         direct_gemm; models/cpu_bf16.py); else None."""
         gemms = []
         for proj in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp, self.mlp.down_proj):
@@ -254,17 +185,6 @@ class DecoderLayer(nn.Module):
                 return None
             gemms.append(gemm)
         return gemms
-
-    def forward_direct(self, positions, x, residual, meta, kv_cache, rotary, native, gemms):
-        """forward with the compiled ops, its four GEMMs called straight (`direct_gemms`): the same
-        ops in the same order, so the same bits, without the Python of the module calls around
-        them (~7 a layer; on a 2-core CPU about 3-6 ms of a 120-ms batch-16 step of the default
-        model)."""
-        qkv, o, activation, down = gemms
-        h, residual = self.input_layernorm.add_norm(x, residual, native)
-        out = self.self_attn.attend(positions, qkv(h), meta, kv_cache, rotary, native)
-        h, residual = self.post_attention_layernorm.add_norm(o(out), residual, native)
-        return down(activation(h)), residual
 
     def hand_fp32_to_gemms(self) -> None:
         """For a bf16 model whose GEMMs run in fp32 on bf16 values (models/cpu_bf16.py): the two
@@ -303,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self._direct_gemms: dict[int, list] = {}
         # rows -> the arguments of the compiled layer loop for layers 1.. (None: not every GEMM is one it runs)
         self._compiled: dict[int, tuple | None] = {}
-        self.compiled_decode = True  # a step of decodes runs layers 1.. in one compiled call (decode_layers)
+        self.compiled_decode = True  # a step of decodes runs layers 1.. in one compiled call (decode_rest)
 
     def forward(
         self,
@@ -314,29 +234,39 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.embed_tokens(input_ids)
         rotary = self.rotary.at(positions, x.dtype)  # the RoPE rows, once for every layer
-        native = cpu_native.load() if x.device.type == "cpu" and x.dtype in cpu_native.DTYPES else None
         residual = None
-        direct = native is not None and isinstance(rotary, RotaryRows)
-        plans = self.layer_gemms(x.shape[0]) if direct else itertools.repeat(None)
+        plans = self.layer_gemms(x.shape[0]) if x.device.type == "cpu" else itertools.repeat(None)
         for i, (layer, kv_cache, gemms) in enumerate(zip(self.layers, kv_caches, plans)):
             if gemms is None:
-                x, residual = layer(positions, x, residual, meta, kv_cache, rotary, native)
+                x, residual = layer(positions, x, residual, meta, kv_cache, rotary)
             else:
-                x, residual = layer.forward_direct(positions, x, residual, meta, kv_cache, rotary, native, gemms)
-            if i == 0 and direct and self.compiled_decode and meta.plans is not None \
-                    and DIRECT_DECODE in meta.plans and len(self.layers) > 1:
-                rest = self.compiled_layers(x.shape[0])
-                if rest is not None:  # the first layer's attention found a step of decodes only
-                    d = meta.plans[DIRECT_DECODE]
-                    x, residual = native.decode_layers(
-                        x, residual, *rest, [c[0] for c in kv_caches[1:]], [c[1] for c in kv_caches[1:]],
-                        rotary.cos, rotary.sin_signed, meta.slot_mapping, layer.self_attn.num_heads, d.tables,
-                        d.seq_lens, d.seqs, d.rows, layer.self_attn.scale, layer.input_layernorm.eps)
+                x, residual = layer.forward_direct(positions, x, residual, meta, kv_cache, rotary, gemms)
+            if i == 0:
+                rest = self.decode_rest(x, residual, meta, kv_caches, rotary)
+                if rest is not None:
+                    x, residual = rest
                     break
-        return self.norm.add_norm(x, residual, native)[0]
+        return self.norm.add_norm(x, residual)[0]
+
+    def decode_rest(self, x, residual, meta, kv_caches, rotary) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layers 1.. in one compiled call (kernels/cpu_decode_step.cpp: decode_layers) where the first
+        layer's attention found a step of decodes only (its plan: kernels/cpu_attention.py) and every
+        GEMM of those layers is one the call runs; else None (the Python layers go on)."""
+        if not self.compiled_decode or meta.plans is None or DIRECT_DECODE not in meta.plans or len(self.layers) < 2:
+            return None
+        module = cpu_native.load()
+        rest = None if module is None else self.compiled_layers(x.shape[0])
+        if rest is None:
+            return None
+        first, d = self.layers[0], meta.plans[DIRECT_DECODE]
+        x, residual = module.decode_layers(
+            x, residual, *rest, [c[0] for c in kv_caches[1:]], [c[1] for c in kv_caches[1:]],
+            rotary.cos, rotary.sin_signed, meta.slot_mapping, first.self_attn.num_heads, d.tables,
+            d.seq_lens, d.seqs, d.rows, first.self_attn.scale, first.input_layernorm.eps)
+        return x, residual
 
     def compiled_layers(self, rows: int) -> tuple | None:
-        """Layers 1.. as the compiled loop takes them (kernels/cpu_decode.cpp: decode_layers): norm
+        """Layers 1.. as the compiled loop takes them (kernels/cpu_decode_step.cpp: decode_layers): norm
         weights, GEMM kinds, packed weights, widths and biases; None unless every one of their GEMMs
         is the tiles' or the panels' at `rows` rows. Kept per row count like layer_gemms."""
         if rows in self._compiled:
