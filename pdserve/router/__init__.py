@@ -1,11 +1,17 @@
 """pdserve.router: the OpenAI-compatible HTTP API, the node registry and the (prefill, decode) routing.
 
-    router.py            Router: the facade app.py and the tests hold; lifecycle, dispatch, token
-                         flow, failures and aborts (its parts below)
+    router.py            Router: the composition root app.py and the tests hold; builds the parts
+                         below, runs their loops, and answers the HTTP side's calls
+    request_table.py     RequestTable: every request the router holds, by request id (in flight,
+                         parked, n > 1 groups); `forget` drops one from every part at once
+    dispatcher.py        Dispatcher: admission (429, 503), sending attempts, a request's outcomes
+    redispatch.py        Redispatcher: re-dispatch of a request whose node died, parking until a
+                         node is ready
+    choices.py           ChoiceGroups: n > 1 requests (one prefill, n choices); ChoiceGroup
+    handlers.py          NodeMessages: one handler per node message (Register, ..., Error), and
+                         the CURVE identity binding
+    monitor.py           Monitor: periodic checks (heartbeat expiry, deadlines, lost requests)
     control.py           the ZMQ control socket nodes connect to: receive loop and sends
-    handlers.py          one handler per node message (Register, Heartbeat, ..., Error)
-    redispatch.py        re-dispatch of a request whose node died, parking until a node is ready
-    monitor.py           periodic checks: heartbeat expiry, request deadlines, lost requests
     saturation.py        the router's own load (loop lag, control backlog) and shedding it with 429s
     registry.py          live nodes and the routing policies
     request_state.py     one request's states (RouterRequestStatus), timing, token re-sequencing,
@@ -16,6 +22,7 @@
     openapi.py           the OpenAPI 3.1 description served at GET /openapi.json
     metrics.py           Prometheus metrics (GET /metrics): TTFT and its stages, TPOT, ITL, counts
     app.py               aiohttp routes (create_app)
+    ports.py             whether the HTTP port is free, before any process starts
     access_log.py        the HTTP access log, with /health and /metrics polls at DEBUG
     cli.py               main(argv): `pdserve router` / `python -m pdserve.router`
     api_servers.py       --api-server-count N: N router processes on one port, supervised

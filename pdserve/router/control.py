@@ -7,10 +7,10 @@ protocol version) and any error the handler raises are logged, and the loop goes
 router sends on it, and who decides to:
 
     PrefillRequest  to the chosen prefill node, naming the decode node ("" = decode it yourself)
-                    (router.py: submit, redispatch.py: re-dispatch and unparking)
+                    (dispatcher.py; choices.py for an n > 1 request)
     Abort           to every live node holding the request, when the client goes away, when a
                     stop string ends it, when its deadline passes, when it is re-dispatched
-                    (router.py, redispatch.py, monitor.py), and when a heartbeat lists a request
+                    (dispatcher.py, at the request of the others), and when a heartbeat lists a request
                     the router does not place on that node (handlers.py)
     Reregister      to a node whose heartbeat the router does not recognise (handlers.py)
 

@@ -162,8 +162,7 @@ class RouterMetrics:
 class BulkHistogram:
     """A histogram observed many values at a time (a request's inter-token gaps at its end): one
     bisect per value, no lock, exported at scrape. prometheus_client's Histogram costs a lock and
-    a linear bucket scan per value, which at every streamed token was a visible share of the
-    router's time per token. Single-threaded use (the event loop), like the rest of the router."""
+    a linear bucket scan per value, too much to pay at every streamed token. Single-threaded use (the event loop), like the rest of the router."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
         self.name, self.documentation = name, documentation

@@ -21,10 +21,10 @@ the loop has been calm for CALM_S the limit rises by 1% per probe (at least one 
 no longer binds. Requests already accepted are never shed: the point is that their streams keep
 flowing.
 
-The Retry-After of every 429 (this one's and the queue limit's, router.py) comes from `RetryAfter`:
-a fixed 1 s told a thousand waiting clients to come back at once, every second, and the router
-spent its core answering 429s (on one core, 87,000 of them slowed 1,000 requests ninefold). It
-books the crowd's retries in turn, at about twice the rate requests are admitted.
+The Retry-After of every 429 (this one's and the queue limit's, dispatcher.py) comes from
+`RetryAfter`: a fixed value would send every waiting client back at the same moment, again and
+again, and the router would spend its time answering 429s instead of streaming. It books the
+crowd's retries in turn, at about twice the rate requests are admitted.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from pdserve.router.control import ControlSocket
 from pdserve.router.monitor import Monitor
 from pdserve.router.registry import Registry
 from pdserve.router.request_table import RequestTable
+from tests.router.fakes import FakeDispatcher, FakeRedispatcher, add_node, make_request
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -142,3 +143,33 @@ def test_peeking_at_the_socket_does_not_strand_a_waiting_receive(control):
             peer.close(linger=0)
 
     asyncio.run(scenario())
+
+
+def test_a_request_past_its_deadline_fails_and_one_no_node_lists_is_redispatched(tokenizer, control):
+    """check_requests, with a fake dispatcher and re-dispatcher."""
+    reg = Registry()
+    add_node(reg, "b0", "both")
+    table = RequestTable(reg)
+    dispatcher, redispatcher = FakeDispatcher(table, reg), FakeRedispatcher()
+    monitor = Monitor(reg, control, table, dispatcher, redispatcher, lost_after_s=2.0)
+    late = make_request(tokenizer, "late", deadline=time.monotonic() - 1)
+    lost = make_request(tokenizer, "lost")
+    fine = make_request(tokenizer, "fine")
+    for req in (late, lost, fine):
+        asyncio.run(dispatcher.dispatch(req, dispatcher.reroute(req)))
+    lost.last_listed = time.monotonic() - 10
+    asyncio.run(monitor.check_requests())
+    assert dispatcher.named("fail") == [("fail", "late", 504)]
+    assert redispatcher.calls == [("redispatch", "lost", "no node has listed lost for 2 s")]
+
+
+def test_each_check_expires_nodes_then_unparks_then_checks_requests(tokenizer, control):
+    reg = Registry()
+    table = RequestTable(reg)
+    redispatcher = FakeRedispatcher()
+    monitor = Monitor(reg, control, table, FakeDispatcher(table, reg), redispatcher, lost_after_s=2.0)
+    asyncio.run(monitor.check())
+    assert redispatcher.calls == []  # nothing parked: no unpark
+    table.park(make_request(tokenizer, "p"), time.monotonic() + 30, "no node")
+    asyncio.run(monitor.check())
+    assert redispatcher.calls == [("unpark",)]

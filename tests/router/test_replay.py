@@ -3,7 +3,7 @@ the current one (columnar TokenBatch on the wire, batched detokenization, SSE bu
 with every token, text, logprob, finish reason and SSE byte identical.
 
 data/router_replay.json.gz was written by data/record_replay.py running on the router as it was
-before those changes (commit b2c4e80): real text (accents, CJK, emoji, tabs, math letters) as
+before those changes: real text (accents, CJK, emoji, tabs, math letters) as
 token ids of the tiny byte-level tokenizer and of SmolLM2's, nine requests at once (stop strings
 that straddle tokens, logprobs with -inf and with the sampled token missing, special tokens
 mid-stream, max_tokens cuts), in decode steps of at most one token per request, some requests'
