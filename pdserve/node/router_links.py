@@ -57,7 +57,7 @@ class RouterLinks:
         self._make_link = make_link or (lambda addr: RouterLink(addr, register, heartbeat_s=heartbeat_s, ctx=ctx,
                                                                 curve=curve))
         self.links: dict[str, RouterLink] = {}  # router address → link
-        self.requests = requests if requests is not None else NodeRequests()  # request id → router address, among the rest
+        self.requests = requests if requests is not None else NodeRequests()  # the node's: each request's router
         self._last_refresh = 0.0
         self._pending: list[Message] = []  # Aborts for the requests of routers that are gone
         self._poller: zmq.Poller | None = None

@@ -17,9 +17,10 @@ token ends it, a colocated request finishes, an abort (from its router, or its r
 a refusal, the lease released.
 
 Ownership: the scheduler owns a request's blocks until `detach`; from then on the KVSender's
-lease table owns them and calls `_release` once, which frees them and forgets the request. With tensor parallelism the block ids are the
-same on every rank: one release frees the request's KV on all of them, whatever the decode
-node's TP size (the sender serves each decode rank its heads from the ranks holding them).
+lease table owns them and calls `_release` once, which frees them and forgets the request. With
+tensor parallelism the block ids are the same on every rank: one release frees the request's KV
+on all of them, whatever the decode node's TP size (the sender serves each decode rank its heads
+from the ranks holding them). A failed hand-off is reported to the router before the release.
 
 n > 1 (parallel sampling): the prompt is prefilled once and its step draws every choice's first
 token; the engine forks the request into choices `{id}#{i}`, each reported in its own FirstToken.
