@@ -45,8 +45,9 @@ class DecodeBatch:
             stop |= eos_token_ids
         self.stop_ids = np.array(sorted(stop), dtype=np.int64)
         self.all_plain_greedy = all(r.is_plain_greedy for r in requests)
-        # (positions, token ids, block counts) for the next step, left by a columnar postprocess
-        # of this batch and taken by the next schedule (scheduler.py says why they can be trusted).
+        # (positions, token ids, block counts) for the next step, left by the postprocess of a
+        # decode step of this batch and taken by the next schedule (scheduler_decode.py says why
+        # they can be trusted).
         self.carried: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @classmethod

@@ -30,8 +30,7 @@ def build_host_batch(
     query_lens: list[int] | None = None,  # [S] tokens fed per request; None: one each (a decode step)
     num_logits: Sequence[int] | None = None,  # [S] logits wanted per request (its last tokens); None: 1 each
 ) -> HostBatch:
-    # numpy, not torch, for these small arrays: a torch op costs ~10 us of dispatch on the CPU,
-    # a numpy one ~1-3 us (a decode step's batch took 150 us in torch at 256 requests).
+    # numpy, not torch, for these small arrays: a torch op's dispatch costs several numpy ops on the CPU.
     num_seqs = len(starts)
     tables = block_tables.numpy()
     if query_lens is None:  # a decode step: token i is request i's, at position starts[i]
