@@ -52,12 +52,12 @@ class ChoiceGroup:
         if not any(c.ready() for c in self.choices):
             waiter = asyncio.get_running_loop().create_future()
             for c in self.choices:
-                c._waiter = waiter
+                c.waiter = waiter
             try:
                 await waiter
             finally:
                 for c in self.choices:
-                    c._waiter = None
+                    c.waiter = None
         return [(i, d) for i, c in enumerate(self.choices) for d in c.take_deltas()]
 
     def interrupt(self, error: BaseException) -> None:

@@ -196,7 +196,7 @@ class NodeMessages:
             self.metrics.observe_first_token(req)
 
     async def on_token_batch(self, identity: bytes, msg: TokenBatch) -> None:
-        node_id, attempt, arrivals = msg.node_id, self.table.in_flight.get, []
+        node_id, attempt, arrivals = msg.node_id, self.table.attempt, []
         logprobs = msg.logprobs or None
         for i, wire_id in enumerate(msg.request_ids):
             req = attempt(wire_id)

@@ -125,7 +125,7 @@ class RouterRequest:
         self.stopped_by_router = False  # a stop string ended it while the nodes were still generating
         self.outbox: list[Delta] = []  # deltas not yet taken by the HTTP side (take_deltas)
         self.wake_each_delta = True  # False (not streamed): the HTTP side is woken at the end only
-        self._waiter: asyncio.Future | None = None
+        self.waiter: asyncio.Future | None = None  # the HTTP side's wait (`ChoiceGroup.wait_deltas` sets it)
         self._pending: dict[int, Token] = {}  # out-of-order tokens, by output index
         self._num_logprob_chars = 0
         self.attempt = 0  # re-dispatches so far
@@ -230,7 +230,7 @@ class RouterRequest:
     def push(self, delta: Delta) -> None:
         """Hand `delta` to the HTTP side, waking it (a non-streamed request: at the end only)."""
         self.outbox.append(delta)
-        waiter = self._waiter
+        waiter = self.waiter
         if waiter is not None and not waiter.done() and (self.wake_each_delta or self.status.is_done):
             waiter.set_result(None)
 
@@ -244,8 +244,8 @@ class RouterRequest:
 
     def interrupt(self, error: BaseException) -> None:
         """Raise `error` in the HTTP side's wait (`ChoiceGroup.wait_deltas`; its client went away)."""
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_exception(error)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(error)
 
     def fail(self, error: RouterError) -> Delta | None:
         """End the request with an error; None if it already ended."""

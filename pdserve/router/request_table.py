@@ -18,7 +18,7 @@ choice a request of its own under `{id}#{i}`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -55,15 +55,14 @@ class RequestTable:
         self.in_flight: Mapping[str, RouterRequest] = MappingProxyType(self._by_wire_id)  # read-only view
         self.parked: Mapping[str, Parked] = MappingProxyType(self._parked)
         self.groups: Mapping[str, ChoiceGroup] = MappingProxyType(self._groups)
+        # attempt(wire_id): the in-flight request whose current attempt the nodes know as `wire_id`
+        # (None: none). The dict's own lookup, called for every token that comes in.
+        self.attempt: Callable[[str], RouterRequest | None] = self._by_wire_id.get
 
     # ---- what the router knows --------------------------------------------------------------
     def get(self, request_id: str) -> RouterRequest | None:
         entry = self._entries.get(request_id)
         return entry.req if entry is not None else None
-
-    def attempt(self, wire_id: str) -> RouterRequest | None:
-        """The in-flight request whose current attempt the nodes know as `wire_id`."""
-        return self._by_wire_id.get(wire_id)
 
     def entry(self, request_id: str) -> Entry | None:
         return self._entries.get(request_id)
