@@ -62,7 +62,7 @@ class Bf16ViaFp32Linear(nn.Module):
             # one row off the panels (or no row): torch's GEMV over the bf16 weights
             y = F.linear(x.to(torch.bfloat16), self.weight16, self.bias16)
         else:  # the panels up to linear.PANEL_MAX_ROWS rows, else oneDNN (cpu_linear chooses)
-            # (a no-op conversion still costs a call: ~2 us, 120 a step)
+            # (a no-op conversion still costs a call)
             packed = self.packed
             y = cpu_linear(x if x.dtype == torch.float32 else x.float(), None if packed is not None else self.weight32,
                            self.bias32, packed, self.panels)

@@ -289,9 +289,9 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_gemms(self, rows: int) -> list[list[Callable[[torch.Tensor], torch.Tensor]] | None]:
         """Each layer's direct_gemms(rows), chosen once per row count up to DIRECT_GEMMS_KEPT_ROWS
-        (decode batches repeat theirs; choosing costs ~1 ms a step on the default model's 30 layers
-        on a 2-core CPU, 5% of a one-row step). Layers are final once loaded: whatever changes them
-        after a forward (a test, an A/B harness) calls forget_direct_gemms()."""
+        (decode batches repeat theirs, and choosing for every layer is a visible part of a small
+        step). Layers are final once loaded: whatever changes them after a forward (a test, an A/B
+        harness) calls forget_direct_gemms()."""
         plans = self._direct_gemms.get(rows)
         if plans is None:
             plans = [layer.direct_gemms(rows) for layer in self.layers]
