@@ -235,7 +235,7 @@ def test_router_with_keys_or_on_loopback_starts_without_warning(tmp_path, tiny_l
 def test_node_refuses_an_exposed_router_address_without_keys(module):
     port = free_port()
     line = refused(module, "--router", f"tcp://0.0.0.0:{port}", "--model", "/nonexistent")
-    role = module.split(".")[1]
+    role = module.split(".")[1].removesuffix("_node")  # the command is `pdserve decode` / `pdserve prefill`
     assert line.startswith(f"pdserve {role}: error: refusing to connect to the router's control socket at "
                            f"tcp://0.0.0.0:{port} without CURVE keys")
     refused(module, "--router", "tcp://router:5555", "--model", "/nonexistent")
