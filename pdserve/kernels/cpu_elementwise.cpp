@@ -1,8 +1,8 @@
 // A decoder layer's fused elementwise ops (residual add + RMSNorm, RoPE + K/V store, SiLU x up) and
 // greedy sampling's argmax.
-// Each layer op replaces a run of small torch ops (~5-10 us of dispatch each at decode sizes, ~40 a layer)
-// with one call and the same arithmetic: the same roundings to the activation dtype in the same
-// places as the torch code in engine/models/llama.py, so RoPE, the K/V store and the residual add
+// Each layer op replaces a run of small torch ops (each paying torch's dispatch, dozens a layer) with
+// one call and the same arithmetic: the same roundings to the activation dtype in the same places
+// as the torch code (engine/ops: forward_native), so RoPE, the K/V store and the residual add
 // give the torch path's bits; RMSNorm's sum of squares and SiLU's exp differ from torch's in the
 // last bits (summation order; a polynomial exp, ~1 ulp). Compiled with -ffp-contract=off: no a*b+c
 // is fused where torch rounds the product.

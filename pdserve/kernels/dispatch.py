@@ -121,7 +121,7 @@ def paged_attention(
     """
     # A step's layers pass the same metadata (the `plans` contract) and caches of one shape: the
     # checks, which read only shapes, dtypes and devices, and the backend are resolved at the
-    # step's first layer and reused (~25 us a layer otherwise). A step of decodes only on the CPU's
+    # step's first layer and reused instead of redone in every layer. A step of decodes only on the CPU's
     # compiled kernel goes straight to it from the second layer on (cpu_attention._DirectDecode).
     if plans is not None and out is None and backend is None:
         direct = plans.get(cpu_attention.DIRECT_DECODE)
