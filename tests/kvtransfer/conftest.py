@@ -12,11 +12,11 @@ import pytest
 import torch
 import zmq
 
+from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.kvtransfer.layout import layout_shape
 from pdserve.kvtransfer.payload import DTYPES
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvcache.shm_pool import SharedKVPool
 from pdserve.protocol.messages import KVLayout, KVRank, KVReady, Message
 from pdserve.protocol.sockets import recv_msg
 
