@@ -14,7 +14,7 @@ Everything is measured here, in one process, as medians of --repeats:
                 onednn-packed-*     oneDNN with weights reordered once (inductor's freezing path)
                 mkl-packed-float32  MKL's packed sgemm; its pack is valid for one batch size only
                 pdserve-panels-<dtype>  the engine's own GEMM on the weights in panels
-                                    (kernels/cpu_decode.cpp; bf16 and fp32 models, where the ops build)
+                                    (kernels/cpu_elementwise.cpp, cpu_decode_attention.cpp; bf16 and fp32 models, where the ops build)
                 pdserve-tiles-bfloat16  the engine's AMX GEMM on bf16 weights packed as tiles
                                     (kernels/cpu_amx.cpp; bf16 models on CPUs with AMX)
               The paths take turns within every repeat, so drift hits them alike; the fastest
@@ -101,7 +101,7 @@ def _mkl_packed_path():
 
 
 def _panels_path(dtype: torch.dtype):
-    """pdserve's compiled GEMM on weights of `dtype` packed in panels (kernels/cpu_decode.cpp), fp32 input."""
+    """pdserve's compiled GEMM on weights of `dtype` packed in panels (kernels/cpu_gemm.cpp), fp32 input."""
     from pdserve.kernels import cpu_native
 
     ops = cpu_native.load()
@@ -217,7 +217,7 @@ def engine_weight_bytes(model) -> int:
 
 
 def _gemm_copies(module) -> list:
-    """The weight copies a layer keeps outside its parameters and buffers (parallel/layers.py): the
+    """The weight copies a layer keeps outside its parameters and buffers (engine/ops/linear.py): the
     panels, the AMX tiles and oneDNN's copy (counted by its elements)."""
     copies = []
     for name, inner in (("panels", "panels"), ("tiles", "tiles")):

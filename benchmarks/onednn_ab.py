@@ -1,4 +1,4 @@
-"""The engine's decode step with the oneDNN weight copies (engine/parallel/layers.py) for no layer,
+"""The engine's decode step with the oneDNN weight copies (engine/ops/linear.py, kernels/cpu_gemm.py) for no layer,
 the wide layers only (out >= 2 x in and >= 1M weights: the rule before every layer was packed) or
 every layer (`all`: a copy for each weight of any size), in one process: the same engine and
 requests, the variants taking turns step by step (order rotating), medians. The engine as shipped
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from pdserve.engine import LLM, SamplingParams
-    from pdserve.engine.parallel.layers import PACK_BATCH_HINT
+    from pdserve.kernels.cpu_gemm import PACK_BATCH_HINT
 
     max_len = args.context_len + 3 * args.steps + 40
     llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=args.batch,

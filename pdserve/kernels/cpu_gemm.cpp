@@ -6,7 +6,7 @@
 // rows. It reads the bf16 weights, half the bytes of the fp32 copy oneDNN reads for a bf16 model
 // on a CPU without native bf16 (engine/models/cpu_bf16.py), and sums each output in k order in
 // fp32, as a native bf16 GEMM does. An fp32 model's weights run the same loops without the
-// widening (engine/parallel/layers.py: its decode rows).
+// widening (engine/ops/linear.py: its decode rows).
 // With one or two rows the 2 x MR sums would each wait on the last add (a chain of fused
 // multiply-adds, one per k): NP panels are worked on together instead (8 sums in flight), which
 // also reads NP streams of weights at once; each output still sums in k order, so a row gets the
