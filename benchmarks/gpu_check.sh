@@ -74,7 +74,7 @@ stage gpu_engine_tests 45 "$PY" -m pytest tests/engine/test_gpu_engine.py tests/
     -q -s -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_engine_tests.xml"
 
 # (3) Kernel micro-benchmarks: decode KV bandwidth against a device copy, store_kv, gather/scatter.
-stage kernel_bench 20 "$PY" -m benchmarks.kernels --batches 1 32 256 --contexts 1024 8192 --reps 5 \
+stage kernel_bench 20 "$PY" -m benchmarks.attention_bandwidth --batches 1 32 256 --contexts 1024 8192 --reps 5 \
     --json "$OUT/kernels.json"
 
 # (4) Offline throughput on a Llama-3.2-1B-shaped random bf16 model: decode with CUDA graphs against

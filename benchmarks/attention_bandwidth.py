@@ -9,8 +9,8 @@ Times are medians over repetitions, measured with CUDA events around a CUDA grap
 calls (GPU time without Python launch overhead); `eager_us` is the same without the graph, i.e.
 what one call costs the host. Writes JSON with --json.
 
-    python benchmarks/kernels.py --json gpu_out/kernels.json
-    python benchmarks/kernels.py --smoke        # CPU: a tiny Triton-interpreter vs torch check
+    python benchmarks/attention_bandwidth.py --json gpu_out/kernels.json
+    python benchmarks/attention_bandwidth.py --smoke        # CPU: a tiny Triton-interpreter vs torch check
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def main() -> int:
     if args.smoke:
         result = smoke()
     elif not torch.cuda.is_available():
-        print("benchmarks/kernels.py measures GPU bandwidth and needs a CUDA GPU; none is visible here. "
+        print("benchmarks/attention_bandwidth.py measures GPU bandwidth and needs a CUDA GPU; none is visible here. "
               "Run it with --smoke for a tiny CPU (Triton interpreter) correctness check.", file=sys.stderr)
         return 2
     else:
