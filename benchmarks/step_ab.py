@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a tree's own process
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if args.serve:  # run by path: this folder is on sys.path, where benchmarks/kernels.py shadows a package
+    if args.serve:  # run by path: this folder goes first on sys.path; keep only the tree under test
         here = Path(__file__).resolve().parent
         sys.path[:] = [e for e in sys.path if not e or Path(e).resolve() != here]
         serve(args)
