@@ -29,19 +29,6 @@ def test_host_overhead_reports_every_phase_and_they_sum_to_the_total(tmp_path, c
     assert "batch" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(120)
-def test_host_overhead_compares_the_columnar_and_general_paths_step_by_step(tmp_path, capsys):
-    out = tmp_path / "host.json"
-    assert host_overhead.main(["--batch-sizes", "4", "--steps", "5", "--repeats", "1", "--compare-general",
-                               "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["results"]
-    for figures in (row, row["general"]):
-        assert set(figures["median_ms"]) == {*PHASES, "total", "host"}
-        assert all(figures["median_ms"][name] > 0 for name in PHASES)
-    printed = capsys.readouterr().out
-    assert "columns" in printed and "general" in printed
-
-
 def test_engine_step_timings_cover_the_step(tiny_llama):
     """The timings a step leaves on the engine are its own: positive, and summing to its total."""
     from pdserve.engine.config import EngineConfig
