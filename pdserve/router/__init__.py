@@ -7,7 +7,8 @@
     dispatcher.py        Dispatcher: admission (429, 503), sending attempts, a request's outcomes
     redispatch.py        Redispatcher: re-dispatch of a request whose node died, parking until a
                          node is ready
-    choices.py           ChoiceGroups: n > 1 requests (one prefill, n choices); ChoiceGroup
+    choices.py           ChoiceGroups: n > 1 requests (one prefill, n choices)
+    choice_group.py      ChoiceGroup: a request's choices as the HTTP side waits for them
     handlers.py          NodeMessages: one handler per node message (Register, ..., Error), and
                          the CURVE identity binding
     monitor.py           Monitor: periodic checks (heartbeat expiry, deadlines, lost requests)

@@ -38,7 +38,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4  # the text format every Prometheus reads
 
-from pdserve.router.choices import ChoiceGroup
+from pdserve.router.choice_group import ChoiceGroup
 from pdserve.router.openai_errors import ProtocolError, error_body
 from pdserve.router.openai_responses import ChatFormat, CompletionFormat, new_request_id
 from pdserve.router.openapi import openapi_spec

@@ -24,48 +24,14 @@ group of one, never entered in the request table's groups.
 
 from __future__ import annotations
 
-import asyncio
-
 from pdserve.engine.request import child_id
 from pdserve.protocol.messages import Error, PrefillRequest
+from pdserve.router.choice_group import ChoiceGroup
 from pdserve.router.dispatcher import Dispatcher
-from pdserve.router.openai_responses import usage
 from pdserve.router.redispatch import Redispatcher
 from pdserve.router.registry import Route
-from pdserve.router.request_state import Delta, RouterError, RouterRequest, RouterRequestStatus
+from pdserve.router.request_state import RouterError, RouterRequest, RouterRequestStatus
 from pdserve.router.request_table import RequestTable
-
-
-class ChoiceGroup:
-    """The n choices of one request (n = 1: the request alone), as the HTTP side (app.py) waits for
-    them: one wait for any choice's deltas, usage summed over the choices."""
-
-    def __init__(self, request_id: str, parsed, choices: list[RouterRequest]) -> None:
-        self.request_id = request_id
-        self.sampling = parsed.sampling  # n > 1: what the nodes get for the one prefill
-        self.choices = choices
-        self.node_ids: list[str] = []  # the nodes of the one dispatch
-
-    async def wait_deltas(self) -> list[tuple[int, Delta]]:
-        """(choice index, delta) pushed since the last call, waiting for one if there are none.
-        The choices share one waiter, so a delta of any of them wakes the handler."""
-        if not any(c.ready() for c in self.choices):
-            waiter = asyncio.get_running_loop().create_future()
-            for c in self.choices:
-                c.waiter = waiter
-            try:
-                await waiter
-            finally:
-                for c in self.choices:
-                    c.waiter = None
-        return [(i, d) for i, c in enumerate(self.choices) for d in c.take_deltas()]
-
-    def interrupt(self, error: BaseException) -> None:
-        for c in self.choices:
-            c.interrupt(error)
-
-    def usage(self) -> dict:
-        return usage(len(self.choices[0].prompt_token_ids), sum(len(c.output_token_ids) for c in self.choices))
 
 
 class ChoiceGroups:

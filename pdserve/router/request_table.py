@@ -27,7 +27,7 @@ from pdserve.router.registry import Registry, Route
 from pdserve.router.request_state import RouterRequest
 
 if TYPE_CHECKING:
-    from pdserve.router.choices import ChoiceGroup
+    from pdserve.router.choice_group import ChoiceGroup
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.choices import ChoiceGroup
+from pdserve.router.choice_group import ChoiceGroup
 from pdserve.router.registry import Registry
 from pdserve.router.request_table import RequestTable
 from tests.router.fakes import add_node, make_request
