@@ -79,6 +79,16 @@ def test_plot_writes_cdf_pngs(fake, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_without_matplotlib_says_which_extra_before_sending(fake, tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    with pytest.raises(SystemExit, match=r"pip install 'pdserve\[bench\]'"):
+        bench(fake, "--plot", str(tmp_path / "plots"))
+    assert fake.bodies == [] and not (tmp_path / "plots").exists()
+
+
 def test_sweep_runs_each_rate_and_plots(fake, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     assert bench(fake, "--sweep", "20,inf", "--plot", str(tmp_path), "--save-json", str(out), "--slo", "ttft:5000") == 0
