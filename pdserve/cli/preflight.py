@@ -10,8 +10,6 @@ import argparse
 import shlex
 from collections.abc import Callable
 
-from pdserve.router.ports import check_port_free as check_port_free  # serve's HTTP port check is the router's
-
 
 class _ParseError(Exception):
     pass

@@ -32,9 +32,10 @@ import urllib.request
 import uuid
 
 from pdserve.cli.model import resolve_model_verbosely
-from pdserve.cli.preflight import check_draft_model, check_port_free, check_role_args, parse_node_args
+from pdserve.cli.preflight import check_draft_model, check_role_args, parse_node_args
 from pdserve.engine.args import add_engine_args, engine_argv
 from pdserve.engine.loader import served_model_name
+from pdserve.router.ports import check_port_free
 from pdserve.utils.processes import free_port, stop_processes
 
 

@@ -11,12 +11,14 @@ falls back to the torch code without rebuilding the model. forward_cpu gets the 
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from pdserve.kernels import cpu_native
 
 
-class CustomOp:
+class CustomOp(abc.ABC):
     __slots__ = ()
 
     def __call__(self, x: torch.Tensor, *args, **kwargs):
@@ -32,8 +34,9 @@ class CustomOp:
     def cpu_takes(self, x: torch.Tensor, *args) -> bool:
         return x.dtype in cpu_native.DTYPES
 
+    @abc.abstractmethod
     def forward_native(self, *args, **kwargs):
-        raise NotImplementedError
+        """The plain torch reference every op defines."""
 
     def forward_cpu(self, module, *args, **kwargs):
         return self.forward_native(*args, **kwargs)
