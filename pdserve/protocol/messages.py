@@ -8,8 +8,9 @@ inside a message: they travel as separate ZMQ frames after a header message (`KV
 Who sends what (R = router, P = prefill node, D = decode node):
 
     P,D → R   Register, Heartbeat, Deregister
-    R → P     PrefillRequest                 R → P,D   Abort, Reregister
-    P → R     FirstToken, Error              D → R     TokenBatch, Error
+    R → P,D   PrefillRequest (a decode node takes one with no decode node named: it prefills locally)
+    R → P,D   Abort, Reregister, SetRole
+    P,D → R   FirstToken, TokenBatch, Error
     P → D     Handshake, KVReady, KVData     D → P     HandshakeAck, KVPull, LeaseRenew, KVDone
 """
 
@@ -29,6 +30,7 @@ PROTOCOL_VERSION = 3  # 2: TokenBatch as columns; 3: KV layouts per tensor-paral
 MAX_MESSAGE_BYTES = 16 << 20  # a control message; KV payload frames are bounded separately
 MAX_TOKENS_PER_MESSAGE = 1 << 20
 MAX_RANKS = 1024  # tensor-parallel ranks a KV layout or pull may name
+MAX_STEP_SAMPLES = 64  # engine step samples one heartbeat may carry
 
 
 class MessageError(ValueError):
@@ -75,6 +77,26 @@ class Heartbeat(Message):
     num_outstanding_tokens: int = 0  # prefill: prompt tokens queued or in progress
     ready: bool = True  # model loaded and warmed up
     request_ids: list[str] = field(default_factory=list)  # requests the node holds state for
+    role: str = ""  # the role it serves now ("" from an older node: its Register's)
+    # Engine steps since the last heartbeat, newest last, at most MAX_STEP_SAMPLES:
+    # [prefill tokens, decode sequences, context tokens of those sequences, seconds]. The planner
+    # fits each node's speed from them (router/speed.py).
+    step_samples: list[list[float]] = field(default_factory=list)
+
+    def wire_error(self) -> str | None:
+        if len(self.step_samples) > MAX_STEP_SAMPLES or any(len(s) != 4 for s in self.step_samples):
+            return f"step_samples: at most {MAX_STEP_SAMPLES} rows of 4 numbers"
+        return None
+
+
+@dataclass
+class SetRole(Message):
+    """Serve `role` from now on ("prefill" or "decode"): stop taking new requests, finish (or hand
+    off) what the node holds, then register again with the new role, model still loaded."""
+
+    TYPE: ClassVar[str] = "set_role"
+    role: str
+    reason: str = ""
 
 
 @dataclass
@@ -310,7 +332,7 @@ class KVDone(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, Heartbeat, Deregister, Reregister, PrefillRequest, FirstToken, TokenBatch, Abort, Error,
+    for cls in (Register, Heartbeat, Deregister, Reregister, SetRole, PrefillRequest, FirstToken, TokenBatch, Abort, Error,
                 KVRank, KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
 }
 
