@@ -5,7 +5,15 @@
         --max-concurrency 32 --goodput ttft:500 tpot:50 --save-json out.json --plot plots/
 
 The pieces live in `pdserve/bench/` (datasets, arrivals, client, runner, metrics, report, plots,
-chaos); this module parses flags and runs one benchmark per request rate (several with --sweep).
+chaos, traces, goodput_search); this module parses flags and runs one benchmark per request rate
+(several with --sweep), or searches for the goodput:
+
+    pdserve bench serve --dataset-name trace --trace-path benchmarks/traces/azure_synthetic.csv \
+        --trace-time-scale 2 --goodput ttft:2000 tpot:200
+    pdserve bench serve --dataset-name shifting --shift-period 30 --shift-duration 120 --shift-scale 0.1 \
+        --request-rate 2 --goodput ttft:2000 tpot:200
+    pdserve bench serve --random-input-len 128 --random-output-len 32 --num-prompts 50 \
+        --goodput ttft:1000 tpot:100 --goodput-search --search-min-rate 0.5 --search-max-rate 16
 """
 
 from __future__ import annotations
@@ -17,27 +25,33 @@ import json
 import math
 import sys
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_rate
 from pdserve.bench.by_length import by_length_table
+from pdserve.bench.by_phase import by_phase, phase_table
 from pdserve.bench.chaos import ChaosConfig, chaos_report
 from pdserve.bench.client import EndpointConfig, auth_headers
 from pdserve.bench.datasets import (
     SampleRequest,
     bimodal_requests,
+    length_requests,
     load_tokenizer,
     parse_output_lens,
     random_requests,
     sharegpt_requests,
     vocab_size_of,
 )
+from pdserve.bench.goodput_search import probe_table, result_to_dict, search_goodput
 from pdserve.bench.json_out import jsonable
-from pdserve.bench.metrics import parse_percentiles, parse_slos, summarize
+from pdserve.bench.metrics import meets_slos, parse_percentiles, parse_slos, summarize
 from pdserve.bench.report import print_summary, rate_label, save_json, sweep_table
 from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
+from pdserve.bench.traces import TraceRequest, load_azure_trace, shifting_trace
 
 DEFAULT_SWEEP_DIR = "bench_sweep"
+DEFAULT_SEARCH = {"search_min_rate": 0.5, "search_max_rate": 32.0, "search_iters": 5}
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -50,8 +64,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="local tokenizer folder: exact token counts, text for chat")
     g.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=["random", "sharegpt", "bimodal"], default="random",
-                   help="bimodal: random prompts of --random-input-len, outputs short or long (shortest-job-first)")
+    g.add_argument("--dataset-name", choices=["random", "sharegpt", "bimodal", "trace", "shifting"], default="random",
+                   help="bimodal: random prompts of --random-input-len, outputs short or long (shortest-job-first); "
+                        "trace: replay --trace-path's arrivals and lengths; shifting: a request mix that changes "
+                        "every --shift-period seconds")
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
     g.add_argument("--num-prompts", type=int, default=1000)
     g.add_argument("--seed", type=int, default=0)
@@ -64,13 +80,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bimodal-output-lens", default="16,512", metavar="SHORT,LONG",
                    help="bimodal: the two output lengths (default %(default)s)")
     g.add_argument("--bimodal-long-fraction", type=float, default=0.2, help="bimodal: share of long requests (default 0.2)")
+    g.add_argument("--trace-path", type=Path, default=None, metavar="FILE.csv",
+                   help="trace: a CSV in the Azure LLM inference trace format (TIMESTAMP,ContextTokens,GeneratedTokens); "
+                        "its arrivals replace --request-rate, --num-prompts caps the requests replayed")
+    g.add_argument("--trace-time-scale", type=float, default=None, metavar="X",
+                   help="trace: multiply the trace's arrival times by X (0.5 replays twice as fast; default 1)")
+    g.add_argument("--shift-period", type=float, default=None, metavar="S",
+                   help="shifting: seconds per phase; phases chat (1000 in/200 out), summarize (4000/100), "
+                        "generate (200/1000) cycle; arrivals at --request-rate with --burstiness")
+    g.add_argument("--shift-duration", type=float, default=None, metavar="S", help="shifting: seconds of arrivals")
+    g.add_argument("--shift-scale", type=float, default=None, metavar="X",
+                   help="shifting: multiply the phases' token lengths by X (e.g. 0.1 on a small CPU; default 1)")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=parse_rate, default=math.inf, help="requests/s, or inf (default)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--num-warmups", type=int, default=0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on for random and bimodal, off for sharegpt")
+                   help="default: on for random, bimodal, trace and shifting (their lengths are given), off for sharegpt")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--return-token-ids", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for vLLM's token_ids in each chunk, so a chunk of k tokens counts as k ITL samples "
@@ -94,6 +121,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", type=Path, default=None, help="directory for TTFT/TPOT/ITL/E2E CDF PNGs")
     g.add_argument("--sweep", default=None, metavar="RATE1,RATE2,...",
                    help=f"one run per rate, plus sweep.png in --plot (default {DEFAULT_SWEEP_DIR}/)")
+    g = p.add_argument_group("goodput search (DistServe: the highest rate at which enough requests meet the SLOs)")
+    g.add_argument("--goodput-search", action="store_true",
+                   help="find the highest request rate at which --goodput-attainment of requests meet every "
+                        "--goodput SLO (ttft and tpot required); each probe is a full run of --num-prompts")
+    g.add_argument("--goodput-attainment", type=float, default=None, metavar="F",
+                   help="share of requests that must meet the SLOs (default 0.9)")
+    g.add_argument("--search-min-rate", type=float, default=None, metavar="R",
+                   help=f"first rate probed (default {DEFAULT_SEARCH['search_min_rate']:g})")
+    g.add_argument("--search-max-rate", type=float, default=None, metavar="R",
+                   help=f"highest rate probed; doubling from the min stops here (default {DEFAULT_SEARCH['search_max_rate']:g})")
+    g.add_argument("--search-iters", type=int, default=None, metavar="N",
+                   help=f"bisection steps after bracketing (default {DEFAULT_SEARCH['search_iters']})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,50 +173,123 @@ def build_samples(args: argparse.Namespace, tokenizer, is_chat: bool) -> list[Sa
 
 def endpoint_config(args: argparse.Namespace) -> EndpointConfig:
     base = args.base_url or f"http://{args.host}:{args.port}"
-    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name in ("random", "bimodal")
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name != "sharegpt"
     return EndpointConfig(api_url=base.rstrip("/") + "/" + args.endpoint.lstrip("/"),
                           model=args.model or first_model_id(base), ignore_eos=ignore_eos,
                           temperature=args.temperature, return_token_ids=args.return_token_ids,
                           extra_body=dict(args.extra_body))
 
 
-def run_rates(cfg: EndpointConfig, samples: list[SampleRequest], args: argparse.Namespace,
-              rates: list[float]) -> list[BenchmarkRun]:
+@dataclass
+class Workload:
+    """What one run sends: the requests, and for a trace or the shifting workload their arrival
+    offsets and phases (None: arrivals drawn from the rate, no phases)."""
+
+    samples: list[SampleRequest]
+    offsets: list[float] | None = None
+    phases: list[str] | None = None
+
+
+def trace_workload(args: argparse.Namespace, requests: list[TraceRequest], tokenizer, is_chat: bool,
+                   what: str) -> Workload:
+    if len(requests) > args.num_prompts:
+        print(f"note: {what} has {len(requests)} requests; --num-prompts {args.num_prompts} keeps the first "
+              f"{args.num_prompts} (to {requests[args.num_prompts - 1].arrival_s:.1f} s)", flush=True)
+        requests = requests[:args.num_prompts]
+    vocab = args.random_vocab_size or vocab_size_of(tokenizer, 256)
+    samples = length_requests([(r.input_len, r.output_len) for r in requests], vocab_size=vocab, seed=args.seed,
+                              as_text=is_chat, tokenizer=tokenizer)
+    phases = [r.phase for r in requests] if any(r.phase for r in requests) else None
+    return Workload(samples, [r.arrival_s for r in requests], phases)
+
+
+def workload_source(args: argparse.Namespace, tokenizer, is_chat: bool):
+    """rate → Workload. Datasets without arrival times are built once and reused at every rate; the
+    shifting workload is drawn anew per rate; a trace is fixed (its own arrivals)."""
+    if args.dataset_name == "trace":
+        work = trace_workload(args, load_azure_trace(args.trace_path, time_scale=args.trace_time_scale or 1.0),
+                              tokenizer, is_chat, str(args.trace_path))
+        return lambda rate: work
+    if args.dataset_name == "shifting":
+        def shifting(rate: float) -> Workload:
+            requests = shifting_trace(period_s=args.shift_period, rate=rate, duration_s=args.shift_duration,
+                                      burstiness=args.burstiness, seed=args.seed, range_ratio=args.random_range_ratio,
+                                      scale=args.shift_scale or 1.0)
+            if not requests:
+                raise ValueError("the shifting workload has no requests")
+            return trace_workload(args, requests, tokenizer, is_chat, f"the shifting workload at {rate:g} req/s")
+        return shifting
+    work = Workload(build_samples(args, tokenizer, is_chat))
+    return lambda rate: work
+
+
+def trace_rate(offsets: list[float]) -> float:
+    """A trace's mean arrival rate, the label of its run (inf when every request arrives at once)."""
+    span = max(offsets) - min(offsets) if offsets else 0.0
+    return (len(offsets) - 1) / span if span > 0 else math.inf
+
+
+def run_one(cfg: EndpointConfig, work: Workload, args: argparse.Namespace, rate: float, first: bool) -> BenchmarkRun:
+    """One benchmark; Ctrl-C ends it (the run is kept, marked interrupted)."""
+    chaos = None
+    if args.chaos_interval:
+        chaos = ChaosConfig(args.chaos_interval, tuple(args.chaos_roles.split(",")), args.chaos_stall, args.seed,
+                            args.chaos_max_faults)
+    if args.dataset_name == "trace":
+        rate = trace_rate(work.offsets)
+    load = LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                      num_warmups=args.num_warmups if first else 0, seed=args.seed,
+                      disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout, chaos=chaos,
+                      offsets=work.offsets)
+    run = BenchmarkRun(request_rate=rate)
+    try:
+        asyncio.run(run_benchmark(cfg, work.samples, load, run))
+    except KeyboardInterrupt:
+        run.mark_interrupted()
+    return run
+
+
+def run_rates(cfg: EndpointConfig, workload_for, args: argparse.Namespace,
+              rates: list[float]) -> list[tuple[BenchmarkRun, Workload]]:
     """One run per rate; Ctrl-C ends the current run (kept, marked interrupted) and skips the rest."""
     runs = []
     for i, rate in enumerate(rates):
-        chaos = None
-        if args.chaos_interval:
-            chaos = ChaosConfig(args.chaos_interval, tuple(args.chaos_roles.split(",")), args.chaos_stall, args.seed,
-                                args.chaos_max_faults)
-        load = LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
-                          num_warmups=args.num_warmups if i == 0 else 0, seed=args.seed,
-                          disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout, chaos=chaos)
-        runs.append(BenchmarkRun(request_rate=rate))
-        try:
-            asyncio.run(run_benchmark(cfg, samples, load, runs[-1]))
-        except KeyboardInterrupt:
-            runs[-1].mark_interrupted()
+        work = workload_for(rate)
+        runs.append((run_one(cfg, work, args, rate, i == 0), work))
+        if runs[-1][0].interrupted:
             break
     return runs
 
 
-def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[BenchmarkRun]) -> None:
+def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[tuple[BenchmarkRun, Workload]], *,
+           quiet: bool = False, extra: dict | None = None) -> None:
+    """Print each run's summary (not with `quiet`: the goodput search prints its own table), the
+    per-phase table of a shifting workload, the sweep table; save the JSON (with `extra` at its top
+    level) and the plots."""
     computed = sorted(set(args.percentiles) | {50.0, 99.0})  # the sweep table and plots read p50/p99
     slos = parse_slos(args.goodput)
-    results = [(run, summarize(run.records, run.duration_s, computed, slos)) for run in runs]
-    for run, summary in results:
+    results = []
+    for run, work in runs:
+        summary = summarize(run.records, run.duration_s, computed, slos)
+        if work.phases is not None:
+            summary["phases"] = by_phase(run.records, work.phases, slos)
+        results.append((run, summary))
+        if quiet:
+            continue
         title = f" Serving Benchmark Result (rate {rate_label(run.request_rate)}) "
         print_summary(summary, title=title, interrupted=run.interrupted, percentiles=args.percentiles)
+        if "phases" in summary:
+            print(f"per phase (rate {rate_label(run.request_rate)}):")
+            print(phase_table(summary["phases"]))
         if run.chaos is not None:
             print(chaos_report(run.chaos, run.records))
         if args.dataset_name == "bimodal":
             print(by_length_table({f"rate {rate_label(run.request_rate)}": run.records}))
-    if len(results) > 1:
+    if len(results) > 1 and not quiet:
         print(sweep_table([(run.request_rate, s) for run, s in results]))
     if args.save_json:
         config = jsonable({**vars(args), "api_url": cfg.api_url, "model": cfg.model, "ignore_eos": cfg.ignore_eos})
-        print(f"saved {save_json(args.save_json, config, results)}")
+        print(f"saved {save_json(args.save_json, config, results, extra=extra)}")
     if args.plot or args.sweep:
         from pdserve.bench.plots import plot_cdfs, plot_sweep
     if args.plot:
@@ -189,6 +301,45 @@ def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[BenchmarkRu
         print(f"sweep plot: {path}")
 
 
+class _SearchInterrupted(Exception):
+    pass
+
+
+def goodput_search(args: argparse.Namespace, cfg: EndpointConfig, workload_for) -> int:
+    """Bracket and bisect the request rate (goodput_search.py); every probe is a full run."""
+    slos = parse_slos(args.goodput)
+    target = args.goodput_attainment if args.goodput_attainment is not None else 0.9
+    runs: list[tuple[BenchmarkRun, Workload]] = []
+    figures: dict[float, dict] = {}
+
+    def probe(rate: float) -> float:
+        work = workload_for(rate)
+        run = run_one(cfg, work, args, rate, not runs)
+        runs.append((run, work))
+        if run.interrupted:
+            raise _SearchInterrupted
+        attainment = sum(meets_slos(r, slos) for r in run.records) / len(work.samples)
+        figures[rate] = summarize(run.records, run.duration_s, [90.0], slos)
+        print(f"probe {rate:g} req/s: {attainment:.1%} of {len(work.samples)} requests meet the SLOs "
+              f"({'pass' if attainment >= target else 'fail'}), {figures[rate]['request_throughput']:.2f} req/s "
+              f"completed", flush=True)
+        return attainment
+
+    slo_text = " ".join(f"{k}:{v:g}" for k, v in slos.items())
+    try:
+        result = search_goodput(probe, args.search_min_rate, args.search_max_rate, args.search_iters, target)
+    except _SearchInterrupted:
+        print(f"goodput search interrupted after {len(runs)} probes: no answer")
+        report(args, cfg, runs, quiet=True)
+        return 130
+    print(f"{' Goodput search ':=^50}")
+    print(f"SLOs {slo_text}, attainment target {target:.0%}")
+    print(probe_table(result, figures))
+    print(result.message)
+    report(args, cfg, runs, quiet=True, extra={"goodput_search": {**result_to_dict(result), "slos_ms": slos}})
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     parse_slos(args.goodput)  # fail on a bad SLO before sending anything
     if (args.plot or args.sweep) and importlib.util.find_spec("matplotlib") is None:
@@ -196,17 +347,83 @@ def serve(args: argparse.Namespace) -> int:
                          "pip install 'pdserve[bench]'")
     cfg = endpoint_config(args)
     tokenizer = load_tokenizer(args.tokenizer)
-    samples = build_samples(args, tokenizer, cfg.is_chat)
+    workload_for = workload_source(args, tokenizer, cfg.is_chat)
+    if args.goodput_search:
+        print(f"{cfg.api_url} model={cfg.model} goodput search over {args.search_min_rate:g}..."
+              f"{args.search_max_rate:g} req/s, {args.search_iters} bisection steps, burstiness={args.burstiness} "
+              f"max_concurrency={args.max_concurrency}", flush=True)
+        return goodput_search(args, cfg, workload_for)
     rates = [parse_rate(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
-    print(f"{cfg.api_url} model={cfg.model} prompts={len(samples)} rates={','.join(map(rate_label, rates))} "
+    prompts = len(workload_for(rates[0]).samples)
+    label = "trace" if args.dataset_name == "trace" else ",".join(map(rate_label, rates))
+    print(f"{cfg.api_url} model={cfg.model} prompts={prompts} rates={label} "
           f"burstiness={args.burstiness} max_concurrency={args.max_concurrency}", flush=True)
-    runs = run_rates(cfg, samples, args, rates)
+    runs = run_rates(cfg, workload_for, args, rates)
     report(args, cfg, runs)
-    return 130 if any(run.interrupted for run in runs) else 0
+    return 130 if any(run.interrupted for run, _ in runs) else 0
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flag combinations that cannot work: one argparse error line (exit 2), nothing sent."""
+    def given(*names: str) -> list[str]:
+        return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None]
+
+    trace_flags, shift_flags = given("trace_path", "trace_time_scale"), given("shift_period", "shift_duration",
+                                                                             "shift_scale")
+    search_flags = given("goodput_attainment", "search_min_rate", "search_max_rate", "search_iters")
+    if args.num_prompts < 1:
+        parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.dataset_name != "trace" and trace_flags:
+        parser.error(f"{', '.join(trace_flags)} only apply to --dataset-name trace")
+    if args.dataset_name != "shifting" and shift_flags:
+        parser.error(f"{', '.join(shift_flags)} only apply to --dataset-name shifting")
+    if not args.goodput_search and search_flags:
+        parser.error(f"{', '.join(search_flags)} only apply with --goodput-search")
+    if args.dataset_name == "trace":
+        if args.trace_path is None:
+            parser.error("--dataset-name trace needs --trace-path FILE.csv")
+        if args.trace_time_scale is not None and not (0 < args.trace_time_scale < math.inf):
+            parser.error(f"--trace-time-scale must be a number > 0, got {args.trace_time_scale:g}")
+        for flag, bad in (("--request-rate", not math.isinf(args.request_rate)), ("--sweep", args.sweep),
+                          ("--goodput-search", args.goodput_search)):
+            if bad:
+                parser.error(f"{flag} does not apply to --dataset-name trace: the trace sets the arrivals "
+                             "(use --trace-time-scale to replay it faster or slower)")
+    if args.dataset_name == "shifting":
+        if args.shift_period is None or args.shift_duration is None:
+            parser.error("--dataset-name shifting needs --shift-period S and --shift-duration S")
+        for flag, value in (("--shift-period", args.shift_period), ("--shift-duration", args.shift_duration),
+                            ("--shift-scale", args.shift_scale)):
+            if value is not None and not (0 < value < math.inf):
+                parser.error(f"{flag} must be a number > 0, got {value:g}")
+        if math.isinf(args.request_rate) and not args.goodput_search:
+            parser.error("--dataset-name shifting needs a finite --request-rate (or --sweep / --goodput-search)")
+    if args.goodput_search:
+        for flag, bad in (("--sweep", args.sweep), ("--request-rate", not math.isinf(args.request_rate))):
+            if bad:
+                parser.error(f"--goodput-search picks the request rates itself; drop {flag}")
+        try:
+            slos = parse_slos(args.goodput)
+        except ValueError as e:
+            parser.error(str(e))
+        if "ttft" not in slos or "tpot" not in slos:
+            parser.error("--goodput-search needs both SLOs: --goodput ttft:MS tpot:MS")
+        for name, value in DEFAULT_SEARCH.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        if not (0 < args.search_min_rate <= args.search_max_rate < math.inf):
+            parser.error(f"--search-min-rate and --search-max-rate need 0 < min <= max < inf, got "
+                         f"{args.search_min_rate:g} and {args.search_max_rate:g}")
+        if args.search_iters < 0:
+            parser.error(f"--search-iters must be >= 0, got {args.search_iters}")
+        if args.goodput_attainment is not None and not 0 < args.goodput_attainment <= 1:
+            parser.error(f"--goodput-attainment must be in (0, 1], got {args.goodput_attainment:g}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    check_args(parser, args)
     try:
         return serve(args)
     except (ValueError, OSError) as e:  # bad flags, unreachable server, missing files: a message, no traceback

@@ -56,11 +56,28 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     out = []
     for _ in range(num_prompts):
         n_in, n_out = rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)
-        ids = [rng.randrange(MIN_RANDOM_TOKEN_ID, vocab_size) for _ in range(n_in)]
-        prompt: str | list[int] = ids
-        if as_text:
-            prompt = tokenizer.decode(ids) if tokenizer is not None else " ".join(rng.choices(_WORDS, k=n_in))
-        out.append(SampleRequest(prompt, n_in, n_out))
+        out.append(SampleRequest(_random_prompt(rng, n_in, vocab_size, as_text, tokenizer), n_in, n_out))
+    return out
+
+
+def _random_prompt(rng: random.Random, n_in: int, vocab_size: int, as_text: bool, tokenizer) -> str | list[int]:
+    ids = [rng.randrange(MIN_RANDOM_TOKEN_ID, vocab_size) for _ in range(n_in)]
+    if as_text:
+        return tokenizer.decode(ids) if tokenizer is not None else " ".join(rng.choices(_WORDS, k=n_in))
+    return ids
+
+
+def length_requests(lengths: list[tuple[int, int]], *, vocab_size: int, seed: int = 0, as_text: bool = False,
+                    tokenizer=None) -> list[SampleRequest]:
+    """Random prompts (as `random_requests` builds them) of given (input_len, output_len) pairs, e.g. a
+    trace's. A length below 1 is taken as 1 (a trace may record 0 generated tokens)."""
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    rng = random.Random(seed)
+    out = []
+    for n_in, n_out in lengths:
+        n_in, n_out = max(1, n_in), max(1, n_out)
+        out.append(SampleRequest(_random_prompt(rng, n_in, vocab_size, as_text, tokenizer), n_in, n_out))
     return out
 
 

@@ -87,6 +87,8 @@ def run_to_dict(run: BenchmarkRun, summary: dict) -> dict:
     return out
 
 
-def save_json(path: str | Path, config: dict, runs: list[tuple[BenchmarkRun, dict]]) -> Path:
-    doc = {"schema": SCHEMA, "config": config, "runs": [run_to_dict(run, s) for run, s in runs]}
+def save_json(path: str | Path, config: dict, runs: list[tuple[BenchmarkRun, dict]], *,
+              extra: dict | None = None) -> Path:
+    """`extra`: more top-level keys (`goodput_search` after --goodput-search)."""
+    doc = {"schema": SCHEMA, "config": config, "runs": [run_to_dict(run, s) for run, s in runs], **(extra or {})}
     return write_json(path, doc, indent=1)

@@ -36,6 +36,7 @@ class LoadConfig:
     disable_tqdm: bool = False
     request_timeout_s: float | None = 6 * 3600.0
     chaos: ChaosConfig | None = None  # kill or stall nodes during the run (chaos.py)
+    offsets: list[float] | None = None  # explicit arrival offsets (a trace), one per request; rate is then a label
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -93,7 +94,12 @@ async def run_benchmark(cfg: EndpointConfig, samples: list[SampleRequest], load:
         if any(not r.success for r in warm):
             print(f"warning: {sum(not r.success for r in warm)} of {len(warm)} warm-up requests failed: "
                   f"{next(r.error for r in warm if not r.success)}")
-        offsets = arrival_offsets(len(samples), load.request_rate, load.burstiness, load.seed)
+        if load.offsets is not None:
+            if len(load.offsets) != len(samples):
+                raise ValueError(f"{len(load.offsets)} arrival offsets for {len(samples)} requests")
+            offsets = list(load.offsets)
+        else:
+            offsets = arrival_offsets(len(samples), load.request_rate, load.burstiness, load.seed)
         bar = tqdm(total=len(samples), disable=load.disable_tqdm, desc=f"rate {load.request_rate:g}")
         run.start = time.perf_counter()
 
