@@ -5,7 +5,9 @@
     GET  /v1/models             the served model
     GET  /health                200 while a ready prefill-capable and decode-capable node are registered,
                                 else 503; both carry the router's instance id (see create_app)
-    GET  /nodes                 the live nodes, their load and status URLs
+    GET  /nodes                 the live nodes, their role, load, fitted speed and status URLs
+    GET  /planner               the planner's last decision, its reason and the pool sizes it wants
+                                (404 without --planner); `pdserve serve` scales from it
     GET  /metrics               Prometheus text format (router/metrics.py)
     GET  /openapi.json          the OpenAPI description of all of these (router/openapi.py)
 
@@ -74,6 +76,7 @@ def create_app(router: Router, *, api_key: str | None = None, instance_id: str |
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/nodes", _nodes)
+    app.router.add_get("/planner", _planner)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     return app
@@ -174,6 +177,14 @@ async def _nodes(request: web.Request) -> web.Response:
     """The live nodes, their load and status URLs (like SGLang router's worker list)."""
     router: Router = request.app[ROUTER_KEY]
     return web.json_response({"nodes": [node_summary(n) for n in router.registry.nodes.values()]})
+
+
+async def _planner(request: web.Request) -> web.Response:
+    """The planner's last decision (router/planner_loop.py)."""
+    router: Router = request.app[ROUTER_KEY]
+    if router.planner is None:
+        return _error_response(RouterError("this router runs no planner (start it with --planner)", 404, "NotFoundError"))
+    return web.json_response(router.planner.status())
 
 
 async def _read_json(request: web.Request):

@@ -12,9 +12,11 @@ from aiohttp import web
 
 from pdserve.engine.loader import DEFAULT_MODEL_ALIAS, served_model_name
 from pdserve.protocol.exposure import INSECURE_HELP, InsecureExposureError, check_or_warn, router_sockets
+from pdserve.router.disagg import POLICIES
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S
 from pdserve.router.registry import DEFAULT_MAX_QUEUE
 from pdserve.router.saturation import DEFAULT_MAX_LAG_S
+from pdserve.router.scaling import SCALERS
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a heartbeat before a node is dropped (default: %(default)s)")
     p.add_argument("--prefix-affinity", action="store_true",
                    help="route equal prompt prefixes to the same prefill node (default: off, least loaded)")
+    g = p.add_argument_group("disaggregation and planning")
+    g.add_argument("--disagg-policy", choices=POLICIES, default="always",
+                   help="where each request is prefilled: 'always' on a prefill node (KV handed to a decode "
+                        "node), 'never' on its decode node, 'auto' per request by the cost model (default: "
+                        "%(default)s)")
+    g.add_argument("--local-prefill-max-tokens", type=_non_negative_int, default=None, metavar="N",
+                   help="with --disagg-policy auto: prompts of at most N tokens are prefilled on their decode "
+                        "node, longer ones on a prefill node, instead of the cost model (default: the cost model)")
+    g.add_argument("--planner", action="store_true",
+                   help="run the planner: choose each node's role (and, with --planner-scaler, the pools' "
+                        "sizes) for the SLOs (only --api-server-index 0 runs it) (default: off)")
+    g.add_argument("--slo-ttft-ms", type=_positive_float, default=1000.0, help="p90 TTFT target (default: %(default)s)")
+    g.add_argument("--slo-tpot-ms", type=_positive_float, default=50.0, help="TPOT target (default: %(default)s)")
+    g.add_argument("--planner-interval", type=_positive_float, default=5.0, metavar="SECONDS",
+                   help="seconds between the planner's decisions (default: %(default)s)")
+    g.add_argument("--planner-window", type=_positive_float, default=30.0, metavar="SECONDS",
+                   help="seconds of traffic the planner's workload estimate covers (default: %(default)s)")
+    g.add_argument("--planner-cooldown", type=_non_negative_float, default=15.0, metavar="SECONDS",
+                   help="seconds after a role change before the next (default: %(default)s)")
+    g.add_argument("--planner-scaler", choices=SCALERS, default="none",
+                   help="who resizes the pools: 'none' (role changes only), 'export' "
+                        "(pdserve_planner_desired_replicas only, for an HPA or KEDA), 'serve' (pdserve serve "
+                        "reads GET /planner), 'docker' (the compose services, Docker Engine API), "
+                        "'kubernetes' (the Deployments' replicas) (default: %(default)s)")
+    g.add_argument("--planner-max-nodes", type=int, default=64, help="scaling: the largest fleet it asks for (default: %(default)s)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before a request is aborted, 0 = never (default: %(default)s)")
     p.add_argument("--max-retries", type=int, default=DEFAULT_MAX_RETRIES,
@@ -76,6 +103,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive number")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    return _seconds(value)
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number (0 or more)")
+    return number
+
+
+def planning(args: argparse.Namespace):
+    """(PathPolicy, Planner or None, Scaler or None) from the flags."""
+    from pdserve.router.disagg import PathPolicy
+    from pdserve.router.planner import Planner, PlannerConfig
+    from pdserve.router.scaling import make_scaler
+
+    slo_tpot_s = args.slo_tpot_ms / 1e3
+    path = PathPolicy(args.disagg_policy, args.local_prefill_max_tokens,
+                      slo_tpot_s=slo_tpot_s if args.planner else None)
+    if not args.planner or (args.api_server_index or 0) != 0:
+        return path, None, None
+    config = PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=slo_tpot_s,
+                           interval_s=args.planner_interval, window_s=args.planner_window,
+                           cooldown_s=args.planner_cooldown, max_nodes=args.planner_max_nodes)
+    return path, Planner(config), make_scaler(args.planner_scaler)
+
+
 def _seconds(value: str) -> float:
     try:
         seconds = float(value)
@@ -100,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_server_count < 1:
         parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.local_prefill_max_tokens is not None and args.disagg_policy != "auto":
+        parser.error("argument --local-prefill-max-tokens: only with --disagg-policy auto")
+    if args.planner_scaler != "none" and not args.planner:
+        parser.error("argument --planner-scaler: only with --planner")
     if args.api_server_count > 1:
         return run_parent(args, sys.argv[1:] if argv is None else list(argv))
     try:  # before the tokenizer loads, so the refusal is immediate
@@ -114,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.router.router import Router
 
     curve = CurveKeys.load(args.zmq_curve_keys) if args.zmq_curve_keys else None
+    path, planner, scaler = planning(args)
     router = Router(load_tokenizer(args.model), served_model_name(args.model, args.served_model_name),
                     control_addr=args.control_addr, heartbeat_timeout_s=args.heartbeat_timeout,
                     prefix_affinity=args.prefix_affinity, request_timeout_s=args.request_timeout or None,
                     max_retries=args.max_retries, retry_wait_s=args.retry_wait, max_queue=args.max_queue,
-                    max_lag_s=args.max_lag or None, curve=curve)
+                    max_lag_s=args.max_lag or None, curve=curve, path=path, planner=planner, scaler=scaler)
     app = create_app(router, api_key=args.api_key or None, instance_id=args.instance_id)
 
     name = "pdserve router" if args.api_server_index is None else f"pdserve router {args.api_server_index}"

@@ -22,6 +22,7 @@ from pdserve.protocol.messages import Abort, Message, PrefillRequest, Token
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_errors import ProtocolError
 from pdserve.router.openai_protocol import ParsedRequest
+from pdserve.router.planner import WorkloadWindow
 from pdserve.router.registry import NodeInfo, NoNodeError, OverloadedError, Registry, Route
 from pdserve.router.request_state import Delta, RouterError, RouterRequest
 from pdserve.router.request_table import RequestTable
@@ -42,6 +43,7 @@ class Dispatcher:
         self.saturation = saturation
         self.retry_after = retry_after  # the Retry-After of a 429
         self.request_timeout_s = request_timeout_s
+        self.workload: WorkloadWindow | None = None  # the planner's window (planner_loop.py), when it runs
 
     # ---- before a request is sent -------------------------------------------------------------
     def admit(self, parsed: ParsedRequest) -> tuple[float | None, Route]:
@@ -60,6 +62,9 @@ class Dispatcher:
         except OverloadedError as e:
             raise self._too_many(f"every {e} node is at its queue limit; retry later") from None
         self.retry_after.admitted()
+        self.metrics.observe_path(route)
+        if self.workload is not None:
+            self.workload.arrival(time.monotonic(), len(parsed.prompt_token_ids), parsed.sampling.max_tokens)
         return deadline, route
 
     def _too_many(self, message: str) -> ProtocolError:
@@ -69,7 +74,9 @@ class Dispatcher:
     def reroute(self, req: RouterRequest) -> Route:
         """Nodes for a re-dispatched attempt (queue limits ignored: it is already streaming);
         raises NoNodeError."""
-        return self.registry.route(req.attempt_prompt_ids, req.attempt_sampling.max_tokens, ignore_limits=True)
+        route = self.registry.route(req.attempt_prompt_ids, req.attempt_sampling.max_tokens, ignore_limits=True)
+        self.metrics.observe_path(route)
+        return route
 
     # ---- sending --------------------------------------------------------------------------------
     async def dispatch(self, req: RouterRequest, route: Route) -> bool:
@@ -105,6 +112,8 @@ class Dispatcher:
         req.push(delta)
         if req.status.is_done:
             self.metrics.observe_end(req, req.finish_reason)
+            if self.workload is not None:
+                self.workload.end(time.monotonic(), len(req.output_token_ids))
             if req.stopped_by_router:  # the nodes would keep generating past the stop string
                 await self.abort_nodes(req, "stop string")
             self.table.forget(req)

@@ -141,6 +141,9 @@ class NodeMessages:
                     ", replacing" if old else "")
         if old is None:
             return
+        if old.role != msg.role:
+            self.metrics.observe_role_change(old.role, msg.role)
+            logger.info("node %s now serves %s (was %s)", msg.node_id, msg.role, old.role)
         if old.register.pid == msg.pid:  # the same process reconnected: its requests live on
             self.registry.keep_requests(old)
         else:

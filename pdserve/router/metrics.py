@@ -38,7 +38,7 @@ import bisect
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pdserve.protocol.curve import AUTH_REFUSAL_REASONS
@@ -100,6 +100,19 @@ class RouterMetrics:
             self.shed.labels(reason=reason)
         self.loop_lag = Histogram("pdserve_router_event_loop_lag_seconds", "How late the router's event loop "
                                   "ran a timer (probed every 50 ms)", registry=r, buckets=LAG_BUCKETS)
+        self.paths = Counter("pdserve_router_prefill_path", "Requests (and re-dispatched attempts) by where "
+                             "they were prefilled: remote (a prefill node, then the KV handed over) or local "
+                             "(on the node that decodes them), and why (policy, length, cost, tpot_slo, "
+                             "no_prefill_node, unknown_speed; classic: --disagg-policy always)",
+                             ["path", "reason"], registry=r)
+        self.role_changes = Counter("pdserve_router_node_role_changes", "Nodes that registered again with "
+                                    "another role", ["from_role", "to_role"], registry=r)
+        self.plans = Counter("pdserve_planner_decisions", "Planner ticks, by what they did (hold, role_change)",
+                             ["action"], registry=r)
+        self.desired = Gauge("pdserve_planner_desired_replicas", "Nodes the planner wants in each pool "
+                             "(for an HPA or KEDA to act on)", ["pool"], registry=r)
+        self.split = Gauge("pdserve_planner_split", "Nodes the planner wants in each role among the nodes "
+                           "there are", ["role"], registry=r)
         self.stage_seconds = dict.fromkeys(ROUTER_STAGES, 0.0)  # add_stage; exported at scrape
         self.stage_tokens = dict.fromkeys(ROUTER_STAGES, 0)
 
@@ -157,6 +170,23 @@ class RouterMetrics:
 
     def observe_shed(self, reason: str) -> None:
         self.shed.labels(reason=reason).inc()
+
+    def observe_path(self, route) -> None:
+        """A request's route (registry.Route): where it is prefilled and why."""
+        path = "local" if route.local else "remote"
+        reason = route.path.reason if route.path is not None else ("colocated" if route.local else "classic")
+        self.paths.labels(path=path, reason=reason).inc()
+
+    def observe_role_change(self, from_role: str, to_role: str) -> None:
+        self.role_changes.labels(from_role=from_role, to_role=to_role).inc()
+
+    def observe_plan(self, decision) -> None:
+        """A planner tick's decision (planner.Decision)."""
+        self.plans.labels(action="role_change" if decision.changes else "hold").inc()
+        for pool, n in decision.desired.items():
+            self.desired.labels(pool=pool).set(n)
+        for role, n in zip(("prefill", "decode"), decision.split):
+            self.split.labels(role=role).set(n)
 
 
 class BulkHistogram:

@@ -170,7 +170,14 @@ _NODE: Schema = {"type": "object", "properties": {
     "status_url": {"type": "string"}, "kv_addr": {"type": "string"}, "num_total_blocks": {"type": "integer"},
     "num_free_blocks": {"type": ["integer", "null"]}, "num_running": {"type": ["integer", "null"]},
     "num_waiting": {"type": ["integer", "null"]}, "prefill_load": {"type": "integer"},
-    "seconds_since_heartbeat": {"type": "number"}}}
+    "seconds_since_heartbeat": {"type": "number"},
+    "changing_to": {"enum": ["prefill", "decode", None], "description": "the role a SetRole asked for, until the "
+                    "node registers with it"},
+    "speed": {"type": "object", "description": "its step time, fitted from its heartbeats (router/speed.py)"}}}
+_PLANNER: Schema = {"type": "object", "properties": {
+    "split": {"type": ["array", "null"], "items": {"type": "integer"}, "description": "[prefill, decode] wanted"},
+    "desired": {"type": "object", "description": "pool sizes wanted, by pool"},
+    "reason": {"type": "string"}, "changes": {"type": "array"}, "predictions": {"type": "array"}}}
 _MODELS: Schema = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
     "type": "object", "properties": {k: {"type": "string"} for k in ("id", "object", "owned_by", "root")}}}}}
 
@@ -178,7 +185,7 @@ _HEALTH: Schema = {"type": "object", "required": ["status", "instance_id"], "pro
     "status": {"type": "string", "description": "ok, or why not"},
     "instance_id": {"type": "string", "description": "the router process's id (`pdserve router --instance-id`)"}}}
 
-_SECURED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/nodes")  # all but router/app.py's OPEN_PATHS
+_SECURED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/nodes", "/planner")  # all but router/app.py's OPEN_PATHS
 
 
 def openapi_spec(*, with_api_key: bool = False) -> dict:
@@ -193,6 +200,7 @@ def openapi_spec(*, with_api_key: bool = False) -> dict:
                                                                 **_json(_HEALTH)}}),
         "/nodes": _get("The live nodes and their load", "application/json",
                        {"type": "object", "properties": {"nodes": {"type": "array", "items": _NODE}}}),
+        "/planner": _get("The planner's last decision (404 without --planner)", "application/json", _PLANNER),
         "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),
         "/openapi.json": _get("This description", "application/json", {"type": "object"}),
     }

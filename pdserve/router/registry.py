@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.protocol.messages import Heartbeat, Register
+from pdserve.router.disagg import NodeLoad, PathChoice, PathPolicy
+from pdserve.router.speed import StepModel
 
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
@@ -54,6 +56,8 @@ class NodeInfo:
     outstanding_prompt_tokens: dict[str, int] = field(default_factory=dict)  # waiting for a first token -> prompt len
     blocks_since_heartbeat: int = 0  # estimated blocks of requests dispatched since the last heartbeat
     request_ids: set[str] = field(default_factory=set)  # requests this node holds state for
+    speed: StepModel = field(default_factory=StepModel)  # fitted from its heartbeats' step samples
+    changing_to: str = ""  # the role a SetRole asked for, until it registers with it
 
     @property
     def node_id(self) -> str:
@@ -77,6 +81,13 @@ class NodeInfo:
     def free_blocks(self) -> int:
         free = self.heartbeat.num_free_blocks if self.heartbeat else self.register.num_total_blocks
         return free - self.blocks_since_heartbeat
+
+    def load(self) -> NodeLoad:
+        """What the path policy reads (disagg.py)."""
+        running = self.decode_load
+        last = self.speed.last_decode
+        context = running * last[1] / last[0] if last and last[0] else 0.0
+        return NodeLoad(self.node_id, self.speed, self.prefill_load, running, context)
 
     def estimate_blocks(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / (self.register.block_size or DEFAULT_BLOCK_SIZE))
@@ -104,6 +115,7 @@ def node_summary(node: NodeInfo) -> dict:
         "num_free_blocks": hb.num_free_blocks if hb else None, "num_running": hb.num_running if hb else None,
         "num_waiting": hb.num_waiting if hb else None, "prefill_load": node.prefill_load,
         "seconds_since_heartbeat": round(time.monotonic() - node.last_seen, 3),
+        "changing_to": node.changing_to or None, "speed": node.speed.summary(),
     }
 
 
@@ -113,6 +125,12 @@ class Route:
 
     prefill: NodeInfo
     decode: NodeInfo | None
+    path: PathChoice | None = None  # how a non-"always" policy chose (None: the classic split, unasked)
+
+    @property
+    def local(self) -> bool:
+        """Prefilled where it is decoded (a "both" node, or a local prefill on a decode node)."""
+        return self.decode is None
 
     @property
     def node_ids(self) -> list[str]:
@@ -129,8 +147,10 @@ class OverloadedError(LookupError):
 
 class Registry:
     def __init__(self, heartbeat_timeout_s: float = 5.0, *, prefix_affinity: bool = False,
-                 affinity_slack_tokens: int = 2048, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+                 affinity_slack_tokens: int = 2048, max_queue: int = DEFAULT_MAX_QUEUE,
+                 path: PathPolicy | None = None) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.path = path if path is not None else PathPolicy()
         self.max_queue = max_queue
         self.prefix_affinity = prefix_affinity
         self.affinity_slack_tokens = affinity_slack_tokens  # extra load a node may carry and still win by affinity
@@ -140,7 +160,9 @@ class Registry:
     def register(self, msg: Register, identity: bytes, now: float | None = None) -> NodeInfo | None:
         """Add or replace a node; returns the entry it replaced, if any."""
         old = self.nodes.get(msg.node_id)
-        self.nodes[msg.node_id] = NodeInfo(msg, identity, _now(now))
+        new = self.nodes[msg.node_id] = NodeInfo(msg, identity, _now(now))
+        if old is not None:  # the same machine, whatever became of the process: its speed holds
+            new.speed = old.speed
         return old
 
     def heartbeat(self, msg: Heartbeat, now: float | None = None) -> bool:
@@ -149,6 +171,7 @@ class Registry:
         if node is None:
             return False
         node.heartbeat, node.last_seen, node.blocks_since_heartbeat = msg, _now(now), 0
+        node.speed.add(msg.step_samples)
         return True
 
     def keep_requests(self, old: NodeInfo) -> None:
@@ -171,7 +194,11 @@ class Registry:
         return [n for n in self.nodes.values() if n.ready and n.role in roles]
 
     def is_healthy(self) -> bool:
-        return bool(self.ready_nodes(PREFILL_ROLES)) and bool(self.ready_nodes(DECODE_ROLES))
+        """A request can be served: a ready decode node, and a ready prefill node unless decode
+        nodes may prefill themselves (any policy but `always`)."""
+        if not self.ready_nodes(DECODE_ROLES):
+            return False
+        return self.path.policy != "always" or bool(self.ready_nodes(PREFILL_ROLES))
 
     def max_model_len(self) -> int | None:
         """The smallest max_model_len any ready node declared (None when none did)."""
@@ -184,7 +211,13 @@ class Registry:
 
         A "both" node chosen for prefill decodes the request too: moving KV off a node that can
         decode it itself only costs a transfer. Otherwise the decode node is the one with the most
-        free blocks (ties: fewest running, then node id, so the choice is deterministic)."""
+        free blocks (ties: fewest running, then node id, so the choice is deterministic).
+
+        Under `--disagg-policy never|auto` the decode node is picked first, and the path policy
+        (disagg.py) says whether it prefills the request itself (`Route(decode, None)`) or a
+        prefill node does."""
+        if self.path.policy != "always":
+            return self._route_by_path(prompt_token_ids, ignore_limits)
         prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits)
         if prefill.role == "both":
             return Route(prefill, None)
@@ -192,8 +225,23 @@ class Registry:
         decode = min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
         return Route(prefill, decode)
 
-    def pick_prefill(self, prompt_token_ids: Sequence[int], *, ignore_limits: bool = False) -> NodeInfo:
-        candidates = self._candidates(PREFILL_ROLES, "prefill", ignore_limits)
+    def _route_by_path(self, prompt_token_ids: Sequence[int], ignore_limits: bool) -> Route:
+        decoders = self._candidates(DECODE_ROLES, "decode", ignore_limits)
+        decode = min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
+        if decode.role == "both":
+            return Route(decode, None)
+        try:
+            prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits, roles=("prefill",))
+        except (NoNodeError, OverloadedError):  # none, or all full: the decode node prefills it
+            prefill = None
+        if prefill is not None and not ignore_limits and decode.is_saturated("prefill", self.max_queue):
+            return Route(prefill, decode)  # the decode node's own prefill queue is full
+        choice = self.path.choose(len(prompt_token_ids), decode.load(), prefill.load() if prefill else None)
+        return Route(decode, None, choice) if choice.local else Route(prefill, decode, choice)
+
+    def pick_prefill(self, prompt_token_ids: Sequence[int], *, ignore_limits: bool = False,
+                     roles: Sequence[str] = PREFILL_ROLES) -> NodeInfo:
+        candidates = self._candidates(roles, "prefill", ignore_limits)
         least = min(n.prefill_load for n in candidates)
         if not self.prefix_affinity:
             return min(candidates, key=lambda n: (n.prefill_load, n.node_id))

@@ -15,6 +15,10 @@ collaborators into its constructor, and runs their loops.
     control.py        ControlSocket: the ZMQ socket every node connects to
     saturation.py     Saturation, RetryAfter: the router's own load, and the 429s that shed new
                       requests while it lags
+    disagg.py         PathPolicy: per request, prefill on a prefill node or on the decode node
+                      (--disagg-policy, the cost model); speed.py fits each node's step time
+    planner.py        Planner: the P:D split and pool sizes for the SLOs; planner_loop.py runs it
+                      (--planner) and sends SetRole; scaling.py resizes pools
 
 A request's life in the router: `parse` validates the body (4xx before any node sees it),
 `submit` picks the nodes and sends PrefillRequest (429 + Retry-After when every ready node of a
@@ -38,11 +42,14 @@ from collections.abc import Mapping
 
 from pdserve.router.choices import ChoiceGroup, ChoiceGroups
 from pdserve.router.control import ControlSocket
+from pdserve.router.disagg import PathPolicy
 from pdserve.router.dispatcher import Dispatcher
 from pdserve.router.handlers import NodeMessages
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.monitor import Monitor
 from pdserve.router.openai_protocol import ParsedRequest, parse_chat, parse_completion
+from pdserve.router.planner import Planner, WorkloadWindow
+from pdserve.router.planner_loop import PlannerLoop
 from pdserve.router.redispatch import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_WAIT_S, Redispatcher
 from pdserve.router.registry import DEFAULT_MAX_QUEUE, Registry
 from pdserve.router.request_state import RouterError, RouterRequest
@@ -59,12 +66,14 @@ class Router:
                  max_queue: int = DEFAULT_MAX_QUEUE, lost_after_s: float | None = None,
                  retry_wait_s: float = DEFAULT_RETRY_WAIT_S,
                  curve=None, metrics: RouterMetrics | None = None,
-                 max_lag_s: float | None = DEFAULT_MAX_LAG_S) -> None:
+                 max_lag_s: float | None = DEFAULT_MAX_LAG_S, path: PathPolicy | None = None,
+                 planner: Planner | None = None, scaler=None) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.curve = curve  # protocol.curve.CurveKeys: authenticate and encrypt the control socket
         self.metrics = metrics if metrics is not None else RouterMetrics()
-        self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity, max_queue=max_queue)
+        self.registry = Registry(heartbeat_timeout_s, prefix_affinity=prefix_affinity, max_queue=max_queue,
+                                 path=path)
         self.table = RequestTable(self.registry)
         self.control = ControlSocket(control_addr, curve=curve, on_refused=self._on_auth_refused,
                                      on_token_batch=functools.partial(self.metrics.add_stage, "decode"))
@@ -86,6 +95,11 @@ class Router:
         self.metrics.watch(lambda: len(self.table),
                            lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
         self.metrics.watch_saturation(self.saturation, self.control)
+        self.planner: PlannerLoop | None = None  # --planner: role changes and pool sizes (planner_loop.py)
+        if planner is not None:
+            self.dispatcher.workload = WorkloadWindow(planner.config.window_s)
+            self.planner = PlannerLoop(planner, self.registry, self.dispatcher.workload, self.dispatcher.send,
+                                       scaler=scaler, metrics=self.metrics)
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -133,6 +147,8 @@ class Router:
                        asyncio.create_task(self.control.monitor_loop()),
                        asyncio.create_task(self.monitor.loop()),
                        asyncio.create_task(self.saturation.probe_loop())]
+        if self.planner is not None:
+            self._tasks.append(asyncio.create_task(self.planner.run()))
         logger.info("router control socket bound at %s", self.control_addr)
 
     async def close(self) -> None:
