@@ -374,11 +374,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.dataset_name != "trace" and trace_flags:
-        parser.error(f"{', '.join(trace_flags)} only apply to --dataset-name trace")
+        parser.error(f"{', '.join(trace_flags)}: only with --dataset-name trace")
     if args.dataset_name != "shifting" and shift_flags:
-        parser.error(f"{', '.join(shift_flags)} only apply to --dataset-name shifting")
+        parser.error(f"{', '.join(shift_flags)}: only with --dataset-name shifting")
     if not args.goodput_search and search_flags:
-        parser.error(f"{', '.join(search_flags)} only apply with --goodput-search")
+        parser.error(f"{', '.join(search_flags)}: only with --goodput-search")
     if args.dataset_name == "trace":
         if args.trace_path is None:
             parser.error("--dataset-name trace needs --trace-path FILE.csv")

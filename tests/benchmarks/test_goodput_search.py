@@ -3,13 +3,16 @@ attainment curves, and `pdserve bench serve --goodput-search` against the fake s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from dataclasses import dataclass
 
 import pytest
 
 from pdserve.bench.cli import main
 from pdserve.bench.goodput_search import AT_MAX, BELOW_MIN, FOUND, probe_table, search_goodput
+from tests.benchmarks.fake_openai import FakeOpenAI, ServerThread
 
 
 def curve(knee: float, width: float = 0.0):
@@ -124,6 +127,42 @@ def test_cli_search_where_even_the_lowest_rate_fails(fake, tmp_path, capsys):
     assert "goodput 0 req/s: even the lowest rate probed (20 req/s)" in text
 
 
+@dataclass
+class QueueingFake(FakeOpenAI):
+    """Serves one request at a time (the rest wait in line), so TTFT grows with the request rate."""
+
+    lock: asyncio.Lock | None = None
+
+    async def _generate(self, request):
+        if self.lock is None:  # made on the server thread's event loop
+            self.lock = asyncio.Lock()
+        async with self.lock:
+            return await super()._generate(request)
+
+
+def test_cli_search_finds_the_rate_where_a_queueing_server_starts_missing_ttft(tmp_path, capsys):
+    """30 ms a request, one at a time: at 5 req/s (seeded arrivals) the queue stays short and every
+    TTFT is well under the 150 ms SLO; at 160 req/s 8 requests arrive within ~50 ms and the last
+    ones wait over 150 ms, so with a 90% target (all 8 of 8) the search brackets and bisects."""
+    server = ServerThread(QueueingFake(ttft_s=0.03, itl_s=0.001))
+    try:
+        out = tmp_path / "q.json"
+        code = main(["serve", "--base-url", server.fake.url, "--num-prompts", "8", "--random-input-len", "4",
+                     "--random-output-len", "1", "--disable-tqdm", "--goodput", "ttft:150", "tpot:1000",
+                     "--goodput-search", "--goodput-attainment", "0.9", "--search-min-rate", "5",
+                     "--search-max-rate", "160", "--search-iters", "1", "--save-json", str(out)])
+    finally:
+        server.stop()
+    text = capsys.readouterr().out
+    assert code == 0, text
+    gs = json.loads(out.read_text())["goodput_search"]
+    probes = {p["rate"]: p for p in gs["probes"]}
+    assert probes[5.0]["passed"] and gs["status"] == "found", text
+    assert 5.0 <= gs["goodput"] < gs["upper"] <= 160.0 and not probes[gs["upper"]]["passed"]
+    assert gs["goodput"] == max(r for r, p in probes.items() if p["passed"])
+    assert f"goodput {gs['goodput']:g} req/s" in text
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--goodput-search"], "needs both SLOs"),
     (["--goodput-search", "--goodput", "ttft:100"], "needs both SLOs"),
@@ -134,7 +173,7 @@ def test_cli_search_where_even_the_lowest_rate_fails(fake, tmp_path, capsys):
      "0 < min <= max"),
     (["--goodput-search", "--goodput", "ttft:100", "tpot:5", "--search-iters", "-1"], "--search-iters must be"),
     (["--goodput-search", "--goodput", "ttft:100", "tpot:5", "--goodput-attainment", "0"], "(0, 1]"),
-    (["--search-iters", "3"], "only apply with --goodput-search"),
+    (["--search-iters", "3"], "--search-iters: only with --goodput-search"),
     (["--goodput-search", "--goodput", "ttft:100", "tpot:5", "--dataset-name", "trace", "--trace-path", "x.csv"],
      "--goodput-search does not apply to --dataset-name trace"),
 ])

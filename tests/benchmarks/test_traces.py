@@ -207,14 +207,14 @@ def test_cli_shifting_prints_per_phase_summaries(fake, tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, match", [
     (["--dataset-name", "trace"], "needs --trace-path"),
-    (["--trace-path", "x.csv"], "--trace-path only apply to --dataset-name trace"),
+    (["--trace-path", "x.csv"], "--trace-path: only with --dataset-name trace"),
     (["--dataset-name", "trace", "--trace-path", "x.csv", "--request-rate", "4"], "--request-rate does not apply"),
     (["--dataset-name", "trace", "--trace-path", "x.csv", "--trace-time-scale", "0"], "--trace-time-scale must be"),
     (["--dataset-name", "shifting", "--shift-period", "5", "--request-rate", "2"], "needs --shift-period S and"),
     (["--dataset-name", "shifting", "--shift-period", "5", "--shift-duration", "10"], "finite --request-rate"),
     (["--dataset-name", "shifting", "--shift-period", "-5", "--shift-duration", "10", "--request-rate", "1"],
      "--shift-period must be a number > 0"),
-    (["--shift-scale", "0.1"], "--shift-scale only apply to --dataset-name shifting"),
+    (["--shift-scale", "0.1"], "--shift-scale: only with --dataset-name shifting"),
 ])
 def test_cli_trace_and_shifting_flag_errors_are_one_line(fake, capsys, flags, match):
     with pytest.raises(SystemExit) as exc:
