@@ -211,13 +211,18 @@ def workload_source(args: argparse.Namespace, tokenizer, is_chat: bool):
                               tokenizer, is_chat, str(args.trace_path))
         return lambda rate: work
     if args.dataset_name == "shifting":
+        drawn: dict[float, Workload] = {}
+
         def shifting(rate: float) -> Workload:
+            if rate in drawn:
+                return drawn[rate]
             requests = shifting_trace(period_s=args.shift_period, rate=rate, duration_s=args.shift_duration,
                                       burstiness=args.burstiness, seed=args.seed, range_ratio=args.random_range_ratio,
                                       scale=args.shift_scale or 1.0)
             if not requests:
                 raise ValueError("the shifting workload has no requests")
-            return trace_workload(args, requests, tokenizer, is_chat, f"the shifting workload at {rate:g} req/s")
+            drawn[rate] = trace_workload(args, requests, tokenizer, is_chat, f"the shifting workload at {rate:g} req/s")
+            return drawn[rate]
         return shifting
     work = Workload(build_samples(args, tokenizer, is_chat))
     return lambda rate: work
