@@ -27,7 +27,7 @@ and the other does not), no sooner than `cooldown_s` after its last change, and 
 
 With a scaler (router/scaling.py) it also says how many nodes each pool should have: the fewest
 nodes whose best split scores at most `target_score` (headroom for bursts), between the
-configured bounds.
+configured bounds; when no size gets there, the fewest within 5% of the largest fleet's score.
 
 `decide` is a pure function of its inputs plus the planner's memory of its last change, so the
 fleet simulator (benchmarks/fleet_sim.py) runs this exact code against simulated nodes.
@@ -232,13 +232,17 @@ class Planner:
         return decision
 
     def _desired(self, coef, workload: Workload, chunk: int, max_seqs: int) -> dict[str, int]:
-        """The smallest fleet whose best split scores at most target_score (module docstring)."""
+        """The smallest fleet whose best split scores at most target_score; when no size gets
+        there (a TPOT floor above the SLO, say), the smallest within 5% of the largest's score."""
         cfg = self.config
+        best_by_size = {}
         for n in range(max(cfg.min_nodes, cfg.min_prefill + cfg.min_decode), cfg.max_nodes + 1):
             preds = self.splits(coef, workload, n, chunk=chunk, max_num_seqs=max_seqs)
-            best = min(preds, key=lambda p: p.score) if preds else None
-            if best is not None and best.score <= cfg.target_score:
-                return {"prefill": best.prefill, "decode": best.decode}
-        preds = self.splits(coef, workload, cfg.max_nodes, chunk=chunk, max_num_seqs=max_seqs)
-        best = min(preds, key=lambda p: p.score)
+            if preds:
+                best_by_size[n] = min(preds, key=lambda p: p.score)
+        if not best_by_size:
+            return {}
+        floor = best_by_size[max(best_by_size)].score
+        good_enough = max(cfg.target_score, floor * 1.05)
+        best = next(p for p in best_by_size.values() if p.score <= good_enough)
         return {"prefill": best.prefill, "decode": best.decode}

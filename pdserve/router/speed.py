@@ -26,7 +26,7 @@ import numpy as np
 
 WINDOW = 512  # steps the fit remembers (the newest)
 MIN_SAMPLES = 8  # steps with prefill, and steps of decode only, before the fit is trusted
-RIDGE = 1e-3  # pulls each coefficient towards the prior, relative to the features' scale
+RIDGE = 1e-5  # pulls each coefficient towards the prior, relative to the features' scale
 # A prior for a node not yet measured: a small model on a CPU (2 ms a step, 0.1 ms a prefill token,
 # 0.2 ms a sequence, 20 ns a context token). Only its order of magnitude matters: `known` gates it.
 PRIOR = (2e-3, 1e-4, 2e-4, 2e-8)
