@@ -256,7 +256,10 @@ class _SaturationCollector:
                 ("pdserve_router_control_backlog_age_seconds", "How long the oldest of them has waited",
                  control.backlog_age_s()),
                 ("pdserve_router_in_flight_limit", "Requests in flight the router admits while it recovers "
-                 "from an overload (0: no limit)", sat.limit or 0)):
+                 "from an overload (0: no limit)", sat.limit or 0),
+                ("pdserve_router_event_loop_busy_ratio", "CPU seconds the event-loop thread spent per wall second "
+                 "over the last probes: lag with a low ratio is other processes' load, not the router's",
+                 sat.busy_ratio())):
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], value)
             yield gauge

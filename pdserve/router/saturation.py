@@ -14,6 +14,13 @@ Each probe samples both; the router counts as overloaded when every one of the l
 probes saw one of them past `max_lag_s` (a burst of new requests handled in one turn delays one
 probe, not three), or when the loop has been stuck in one turn for STALL_S.
 
+Lag is not load. On a shared machine a timer also fires late when other processes hold the
+router's core, and shedding then turns clients away for a load the router does not have. So
+each probe also measures the work the router actually did: the CPU seconds its event-loop thread
+spent per wall second since the previous probe (`busy`). Lag only counts as overload while the
+loop was busy at least BUSY_MIN of those probes' time; lag with an idle loop is co-tenant noise,
+shown as `pdserve_router_event_loop_busy_ratio` and not shed.
+
 When overloaded, new requests get a 429 with Retry-After (`admit`) and the number of requests in
 flight becomes a limit: 90% of those in flight when the overload is first seen, lowered by 10%
 once per DECREASE_EVERY_S while it lasts (requests end, the load falls, the backlog drains). Once
@@ -41,6 +48,7 @@ CALM_S = 1.0  # no overload for this long before the in-flight limit rises again
 DECREASE_EVERY_S = 1.0  # the limit falls by 10% at most this often while the overload lasts
 LAG_WINDOW_S = 1.0  # /metrics shows the worst lag of this window
 SUSTAINED = 3  # probes in a row past max_lag_s make an overload
+BUSY_MIN = 0.5  # ... while the loop's own thread was on the CPU this much of their time
 STALL_S = 0.5  # or one turn of the loop this long (no probe has run for it)
 RETRY_WINDOW_S = 5.0  # RetryAfter's rates are over this long
 MAX_RETRY_AFTER_S = 30
@@ -54,9 +62,15 @@ class Saturation:
         self.on_lag = on_lag  # every probe's lag (the metrics' histogram)
         self.limit: float | None = None  # requests in flight allowed while recovering (None: no limit)
         self._probes: list[tuple[float, float, float]] = []  # (when, lag, backlog age) within LAG_WINDOW_S
+        self._busy: list[float] = []  # per probe: the loop thread's CPU seconds per wall second (1.0: unknown)
         self._last_probe: float | None = None  # None: the probe is not running
         self._last_overload = -1e9
         self._last_decrease = -1e9
+
+    def busy_ratio(self) -> float:
+        """The loop thread's CPU share over the last SUSTAINED probes (0 before any)."""
+        last = self._busy[-SUSTAINED:]
+        return sum(last) / len(last) if last else 0.0
 
     def loop_lag_s(self) -> float:
         """The worst lag of the last LAG_WINDOW_S, or how overdue the next probe is if that is worse
@@ -78,6 +92,8 @@ class Saturation:
         last = self._probes[-SUSTAINED:]
         if len(last) < SUSTAINED:
             return None
+        if sum(self._busy[-SUSTAINED:]) / SUSTAINED < BUSY_MIN:
+            return None  # late, but not from the router's own work: others hold the core
         if all(lag > limit for _, lag, _ in last):
             return "loop_lag"
         if all(max(lag, age) > limit for _, lag, age in last):
@@ -103,18 +119,23 @@ class Saturation:
         self._last_probe = time.monotonic()
         try:
             while True:
-                before = time.monotonic()
+                before, cpu_before = time.monotonic(), time.thread_time()
                 await asyncio.sleep(PROBE_INTERVAL_S)
                 now = time.monotonic()
-                self.record(now, max(0.0, now - before - PROBE_INTERVAL_S))
+                busy = (time.thread_time() - cpu_before) / max(now - before, 1e-6)
+                self.record(now, max(0.0, now - before - PROBE_INTERVAL_S), busy=min(1.0, busy))
         finally:
             self._last_probe = None
 
-    def record(self, now: float, lag: float) -> None:
-        """One probe: the loop ran its timer `lag` seconds late (monotonic `now`)."""
+    def record(self, now: float, lag: float, *, busy: float = 1.0) -> None:
+        """One probe: the loop ran its timer `lag` seconds late (monotonic `now`), its thread on
+        the CPU `busy` of the time since the previous probe (1.0 when not measured)."""
         self._last_probe = now
-        self._probes = [p for p in self._probes if now - p[0] <= LAG_WINDOW_S]
+        keep = [i for i, p in enumerate(self._probes) if now - p[0] <= LAG_WINDOW_S]
+        self._probes = [self._probes[i] for i in keep]
+        self._busy = [self._busy[i] for i in keep]
         self._probes.append((now, lag, self.backlog_age_s()))
+        self._busy.append(busy)
         self.on_lag(lag)
         self._relax(now)
 

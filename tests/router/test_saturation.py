@@ -5,8 +5,11 @@ lag is gone, and shows its saturation at /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import time
+
+import pytest
 
 from pdserve.router.saturation import (
     CALM_S,
@@ -179,3 +182,38 @@ def test_saturation_and_stage_metrics_are_exported(tokenizer):
             assert value(after, "pdserve_router_token_stage_seconds_total", stage=stage) > 0, stage
 
     run(scenario())
+
+
+def test_lag_without_the_routers_own_work_is_co_tenant_noise_not_overload():
+    """Timers fire late while other processes hold the core, but the loop's thread barely ran:
+    shedding would turn clients away for load the router does not have."""
+    sat = Saturation(lambda: 0.0, max_lag_s=LIMIT)
+    now = time.monotonic()
+    for _ in range(SUSTAINED):
+        now += PROBE_INTERVAL_S + 0.3
+        sat.record(now, 0.3, busy=0.05)
+    assert sat.overload() is None and sat.admit(100) is None and sat.busy_ratio() == pytest.approx(0.05)
+    for _ in range(SUSTAINED):  # the same lag while the loop itself is busy: overload
+        now += PROBE_INTERVAL_S + 0.3
+        sat.record(now, 0.3, busy=0.9)
+    assert sat.overload() == "loop_lag"
+
+
+def test_the_probe_measures_the_loops_own_cpu_time():
+    async def scenario(spin: bool) -> float:
+        sat = Saturation(lambda: 0.0, max_lag_s=LIMIT)
+        task = asyncio.create_task(sat.probe_loop())
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:
+            if spin:  # the loop's own work: 20 ms turns of pure Python
+                end = time.monotonic() + 0.02
+                while time.monotonic() < end:
+                    pass
+            await asyncio.sleep(0 if spin else 0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return sat.busy_ratio()
+
+    assert asyncio.run(scenario(spin=False)) < 0.3
+    assert asyncio.run(scenario(spin=True)) > 0.5
