@@ -4,8 +4,9 @@
                        processes, supervised (cli/serve.py)
     pdserve router     the OpenAI-compatible HTTP API and the control socket nodes register on
                        (router/cli.py)
-    pdserve prefill    a prefill node; `--role both` prefills and decodes (prefill_node/__main__.py)
-    pdserve decode     a decode node (decode_node/__main__.py)
+    pdserve prefill    a node serving prefill first, changing role on a router's SetRole; `--role both`
+                       prefills and decodes, colocated (cli/node.py)
+    pdserve decode     a node serving decode first, changing role on a router's SetRole (cli/node.py)
     pdserve chat       offline chat, no server: messages from the command line, piped stdin or a
                        terminal (cli/offline.py)
     pdserve generate   offline completion of prompts given on the command line (cli/offline.py)
@@ -27,19 +28,20 @@ import sys
 COMMANDS = {
     "serve": "router + prefill + decode node processes on this machine, supervised",
     "router": "the OpenAI-compatible HTTP API that nodes register with",
-    "prefill": "a prefill node (--role both: prefill and decode, colocated)",
-    "decode": "a decode node",
+    "prefill": "a prefill node (switches role on SetRole; --role both: colocated)",
+    "decode": "a decode node (switches role on SetRole)",
     "chat": "offline chat with a model: arguments, piped stdin (a message a line) or a terminal",
     "generate": "offline completion of the prompts given on the command line",
     "bench": "load tests against any OpenAI-compatible server (e.g. pdserve serve)",
     "keys": "create the CURVE keys for --zmq-curve-keys",
 }
-# The commands parsed by their own module's main(argv), imported only when asked for.
+# The commands parsed by their own module's main(argv) ("module:function" names another function),
+# imported only when asked for.
 LAZY_COMMANDS = {
     "serve": "pdserve.cli.serve",
     "router": "pdserve.router.cli",
-    "prefill": "pdserve.prefill_node.__main__",
-    "decode": "pdserve.decode_node.__main__",
+    "prefill": "pdserve.cli.node:main_prefill",
+    "decode": "pdserve.cli.node:main_decode",
     "bench": "pdserve.bench.cli",
     "keys": "pdserve.protocol.curve",
 }
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in LAZY_COMMANDS:
             import importlib
 
-            return importlib.import_module(LAZY_COMMANDS[argv[0]]).main(argv[1:])
+            module, _, function = LAZY_COMMANDS[argv[0]].partition(":")
+            return getattr(importlib.import_module(module), function or "main")(argv[1:])
         args = build_parser().parse_args(argv)
         from pdserve.engine.parallel.errors import TPWorkerError
 

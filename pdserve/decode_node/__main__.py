@@ -1,4 +1,6 @@
-"""`pdserve decode --router ADDR ...` (also `python -m pdserve.decode_node`). The process's life is the
+"""`python -m pdserve.decode_node --router ADDR ...`: a FIXED-ROLE decode node (a SetRole from a
+router is logged and ignored; `pdserve decode`, pdserve/cli/node.py, is the node that may change
+role: this package may not import the prefill node). The process's life is the
 node runtime's (`pdserve.node.runtime.run_node`); what is decode's own is built here."""
 
 from __future__ import annotations

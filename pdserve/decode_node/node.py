@@ -32,17 +32,28 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request, child_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.receiver import KVEventKind
-from pdserve.node.engine_wire import token_events
 from pdserve.node.faults import FaultInjection
+from pdserve.node.local_requests import LocalRequests, outstanding_prompt_tokens
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.requests import NodeRequests, Stage, table_of
 from pdserve.node.router_link import RouterLink
-from pdserve.protocol.messages import Abort, Error, Heartbeat, KVReady, Message, TokenBatch
+from pdserve.node.step_samples import StepSamples
+from pdserve.protocol.messages import (
+    Abort,
+    Error,
+    Heartbeat,
+    KVReady,
+    Message,
+    PrefillRequest,
+    SetRole,
+    TokenBatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +71,16 @@ class DecodeNode:
         self.node_id = link.register_msg.node_id
         self.faults = faults  # tests and chaos runs only
         self.requests = requests if requests is not None else table_of(link)  # what it holds, per request
+        self.role = "decode"
         self.draining = False
+        # A role change is pending (node/role_switch.py): not ready, new PrefillRequests refused (retryable).
+        self.switching = False
+        self.on_set_role: Callable[[SetRole], None] | None = None  # None: a fixed-role node ignores SetRole
         self.max_queue_len = max_queue_len  # requests announced, waiting for blocks; past it, refused
+        # Local prefill (a PrefillRequest naming no decode node), shared with the colocated prefill
+        # node: admission (`max_queue_len` waiting in the engine), first tokens, decoding here.
+        self.local = LocalRequests(engine, link, self.requests, self.node_id, max_queue_len=max_queue_len)
+        self.steps: StepSamples = getattr(link, "step_samples", None) or StepSamples()  # for the heartbeats
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, "decode")
         self.metrics.watch(self.metrics_snapshot)
 
@@ -80,14 +99,39 @@ class DecodeNode:
     def is_idle(self) -> bool:
         return len(self.requests) == 0  # remote-KV states included
 
+    @property
+    def ready(self) -> bool:
+        """Taking new requests: not draining, not changing role."""
+        return not self.draining and not self.switching
+
     def handle(self, msg: Message) -> None:
         if isinstance(msg, Abort):
             self.abort(msg.request_id)
+        elif isinstance(msg, PrefillRequest):
+            self._admit_local(msg)
+        elif isinstance(msg, SetRole):
+            if self.on_set_role is not None:
+                self.on_set_role(msg)
+            else:
+                logger.warning("%s serves decode only (started fixed-role): SetRole(%s) ignored", self.node_id,
+                               msg.role)
         else:
             logger.warning("decode node: unexpected %s from the router", msg.TYPE)
             request_id = getattr(msg, "request_id", None)
             if isinstance(request_id, str):  # a PrefillRequest, say: its origin was noted, nothing taken
                 self.requests.forget_unadmitted(request_id)
+
+    def _admit_local(self, msg: PrefillRequest) -> None:
+        """A request to prefill here and decode here (no decode node named): into the engine, its
+        prompt chunk-prefilled among the running decodes. One naming a decode node was meant for a
+        prefill node (the router's view is stale): refused, retryable, so the router sends it on."""
+        if msg.decode_node_id:
+            self.local.refuse(msg.request_id, f"{self.node_id} is a decode node: it prefills only requests it "
+                              f"decodes itself, not for {msg.decode_node_id}", retryable=True)
+        elif self.switching:  # finishing what it holds before it serves another role: the router retries it
+            self.local.refuse(msg.request_id, f"node {self.node_id} is changing role", retryable=True)
+        else:
+            self.local.admit(msg, queue_name="decode node's prefill")
 
     def abort(self, request_id: str) -> None:
         """Let the request go (an n > 1 request: each of its choices): its blocks freed, whatever
@@ -98,6 +142,15 @@ class DecodeNode:
             self.receiver.release(request_id, error="aborted")
         for rid in self.requests.family(request_id):
             self.requests.forget(rid)
+
+    def give_up(self, message: str) -> None:
+        """Let go of everything held (a role change that timed out): each request aborted (blocks
+        freed, a prefill node told if its KV was still to come) and its router told with a
+        retryable Error, so it re-dispatches it."""
+        for rid in list(self.requests.held_ids()):
+            if rid in self.requests:  # not gone with its family
+                self.link.send(Error(request_id=rid, node_id=self.node_id, message=message, retryable=True))
+                self.abort(rid)
 
     # ---- KV arrival -------------------------------------------------------------------------
     def _on_kv_event(self, event) -> None:
@@ -175,13 +228,15 @@ class DecodeNode:
     def _step(self) -> None:
         if self.faults is not None:
             self.faults.delay_step()
-        stepped = self.engine.step_requests()
-        tokens = [t for r in stepped for t in token_events(r)]  # several a step when speculating
+        stepped = self.steps.step(self.engine)
+        # decodes' tokens (several a step when speculating); local prefills' first tokens
+        tokens, finished, first_tokens = self.local.sort_step(stepped)
+        for rid, requests in first_tokens.items():
+            self.local.first_tokens(rid, requests)
         if tokens:
             self.link.send(TokenBatch.from_tokens(self.node_id, tokens))
-        for request in stepped:  # once its last token is on its way to its router
-            if request.is_finished:
-                self.requests.forget(request.request_id)
+        for rid in finished:  # once its last token is on its way to its router
+            self.requests.forget(rid)
 
     # ---- reporting --------------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat:
@@ -189,13 +244,15 @@ class DecodeNode:
         return Heartbeat(
             node_id=self.node_id, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting) + sched.num_waiting_for_kv,
-            ready=not self.draining, request_ids=self.requests.held_ids(),  # remote-KV states included
+            num_outstanding_tokens=outstanding_prompt_tokens(self.engine),  # local prefill still to do
+            ready=self.ready, request_ids=self.requests.held_ids(),  # remote-KV states included
+            role=self.role,
         )
 
     def status(self) -> dict:
         sched, bm = self.scheduler, self.engine.block_manager
         return {
-            "node_id": self.node_id, "role": "decode", "num_total_blocks": bm.num_blocks,
+            "node_id": self.node_id, "role": self.role, "num_total_blocks": bm.num_blocks,
             "num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
             "num_running": len(sched.running), "num_waiting": len(sched.waiting),
             "num_waiting_for_kv": sched.num_waiting_for_kv, "num_receiving": sched.num_receiving_kv,
@@ -207,6 +264,7 @@ class DecodeNode:
         """Called from the status thread at scrape time: reads counters, changes nothing."""
         by_rank = getattr(self.receiver, "num_bytes_by_rank", None)  # test doubles may not count by rank
         return engine_snapshot(self.engine, num_bytes_received=self.num_kv_bytes_received,
+                               num_outstanding_prompt_tokens=outstanding_prompt_tokens(self.engine),
                                num_shm_transfers=self.receiver.num_shm_copies,
                                num_zmq_transfers=self.receiver.num_zmq_pulls,
                                auth_refusals=self.receiver.auth_refusals,

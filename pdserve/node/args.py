@@ -56,7 +56,11 @@ def load_curve_keys(args: argparse.Namespace):
 
 
 def check_exposure(args: argparse.Namespace, logger: logging.Logger) -> None:
-    """Refuse (InsecureExposureError, one line) a node whose router link or decode KV socket is
-    reachable beyond this machine without --zmq-curve-keys or --insecure; with --insecure, log
+    """Refuse (InsecureExposureError, one line) a node whose router link or KV socket (a decode
+    node's, or any node that may change role: `args.switchable`) is reachable beyond this machine without --zmq-curve-keys or --insecure; with --insecure, log
     the warning. Call before anything loads."""
-    check_or_warn(node_sockets(args), getattr(args, "zmq_curve_keys", None), args.insecure, logger)
+    sockets = node_sockets(args)
+    if getattr(args, "switchable", False) and args.role == "prefill":  # binds its KV socket whatever its role
+        host = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
+        sockets.append((f"tcp://{host}:{args.kv_port}", "KV socket", False))
+    check_or_warn(sockets, getattr(args, "zmq_curve_keys", None), args.insecure, logger)

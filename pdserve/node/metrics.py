@@ -8,8 +8,11 @@ A decode node also exports the peers its KV socket refused (`pdserve_auth_refusa
 counted by its KVReceiver; see protocol.curve for the reasons), and the KV bytes each of its
 tensor-parallel ranks received (`pdserve_kv_bytes_received_by_rank_total{rank}`: exactly the bytes
 of that rank's KV heads; one series per rank, rank "0" alone without tensor parallelism).
-Every series carries `node_id` and `role` labels; names follow vLLM's where it has the metric.
-One `CollectorRegistry` per node object, never the global one, so in-process tests can hold many.
+Every series carries `node_id` and `role` labels (the role served now); names follow vLLM's where
+it has the metric. A node that changes role (SetRole) keeps one `NodeMetrics`: `set_role` moves the
+series to the new role, `pdserve_node_role{role}` is 1 for the current role and 0 for the other,
+and `pdserve_node_role_changes_total{from_role,to_role}` counts the changes.
+One `CollectorRegistry` per node process, never the global one, so in-process tests can hold many.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
@@ -65,21 +68,57 @@ def engine_snapshot(engine, **transfer) -> NodeSnapshot:
         **transfer)
 
 
+ROLES = ("prefill", "decode")  # the roles a node may switch between (SetRole); "both" never switches
+
+
 class NodeMetrics:
+    """`role` is the role the node serves now: every series carries it, and a role change
+    (`set_role`) moves them to the new value, counts the change and flips `pdserve_node_role`."""
+
     def __init__(self, node_id: str, role: str, registry: CollectorRegistry | None = None) -> None:
         self.node_id, self.role = node_id, role
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["node_id", "role"]
-        self.kv_transfer_seconds = Histogram(
+        self._kv_transfer_seconds = Histogram(
             "pdserve_kv_transfer_seconds", "KV transfer time per request, decode side: pull start to done",
-            labels, registry=self.registry, buckets=TRANSFER_BUCKETS).labels(node_id, role)
-        self.kv_transfer_bandwidth = Histogram(
+            labels, registry=self.registry, buckets=TRANSFER_BUCKETS)
+        self._kv_transfer_bandwidth = Histogram(
             "pdserve_kv_transfer_bandwidth_bytes_per_second", "Per-transfer KV bytes / transfer seconds",
-            labels, registry=self.registry, buckets=BANDWIDTH_BUCKETS).labels(node_id, role)
+            labels, registry=self.registry, buckets=BANDWIDTH_BUCKETS)
+        self.role_changes = Counter(
+            "pdserve_node_role_changes", "Role changes of this node process (SetRole from a router), by the "
+            "roles it left and took", ["node_id", "from_role", "to_role"], registry=self.registry)
+        self._collector: NodeStateCollector | None = None
+        self._touch_histograms()
+
+    def _touch_histograms(self) -> None:
+        """The role's histogram series exist (at 0) before its first transfer."""
+        self._kv_transfer_seconds.labels(self.node_id, self.role)
+        self._kv_transfer_bandwidth.labels(self.node_id, self.role)
+
+    @property
+    def kv_transfer_seconds(self):
+        return self._kv_transfer_seconds.labels(self.node_id, self.role)
+
+    @property
+    def kv_transfer_bandwidth(self):
+        return self._kv_transfer_bandwidth.labels(self.node_id, self.role)
 
     def watch(self, snapshot: Callable[[], NodeSnapshot]) -> None:
-        """Export the node's state, read by calling `snapshot()` at every scrape."""
-        self.registry.register(NodeStateCollector(snapshot, self.node_id, self.role))
+        """Export the node's state, read by calling `snapshot()` at every scrape (a later call, by
+        the node object a role change built, replaces the earlier one's)."""
+        if self._collector is None:
+            self._collector = NodeStateCollector(snapshot, self.node_id, self.role, metrics=self)
+            self.registry.register(self._collector)
+        else:
+            self._collector.snapshot = snapshot
+
+    def set_role(self, role: str) -> None:
+        """The node serves `role` from now on (counted once per change)."""
+        if role != self.role:
+            self.role_changes.labels(self.node_id, self.role, role).inc()
+            self.role = role
+            self._touch_histograms()
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         self.kv_transfer_seconds.observe(seconds)
@@ -113,12 +152,24 @@ _FAMILIES: list[tuple[str, str, str, Callable[[NodeSnapshot], float]]] = [
 class NodeStateCollector:
     """A prometheus_client custom collector: one snapshot per scrape, every family from it."""
 
-    def __init__(self, snapshot: Callable[[], NodeSnapshot], node_id: str, role: str) -> None:
-        self._snapshot = snapshot
-        self._labels = [node_id, role]
+    def __init__(self, snapshot: Callable[[], NodeSnapshot], node_id: str, role: str, *,
+                 metrics: NodeMetrics | None = None) -> None:
+        self.snapshot = snapshot
+        self._node_id, self._role = node_id, role
+        self._metrics = metrics  # the role, as it is now (None: fixed)
+
+    @property
+    def _labels(self) -> list[str]:
+        return [self._node_id, self._metrics.role if self._metrics is not None else self._role]
 
     def collect(self):
-        snap = self._snapshot()
+        snap = self.snapshot()
+        role = self._labels[1]
+        family = GaugeMetricFamily("pdserve_node_role", "1 for the role the node serves now, 0 for the "
+                                           "others it may switch to", labels=["node_id", "role"])
+        for name in (*ROLES, *([role] if role not in ROLES else [])):
+            family.add_metric([self._node_id, name], 1.0 if name == role else 0.0)
+        yield family
         for name, kind, doc, read in _FAMILIES:
             family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             family = family_cls(name, doc, labels=["node_id", "role"])

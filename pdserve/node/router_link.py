@@ -5,6 +5,7 @@ advertises for its endpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pdserve.node.step_samples import StepSamples
 from pdserve.protocol.messages import (
     MAX_MESSAGE_BYTES,
     Deregister,
@@ -46,8 +48,11 @@ class RouterLink:
     SEND_HWM = 100_000
 
     def __init__(self, router_addr: str, register: Register, *, heartbeat_s: float = 1.0,
-                 ctx: zmq.Context | None = None, curve=None) -> None:
+                 ctx: zmq.Context | None = None, curve=None, step_samples: StepSamples | None = None) -> None:
         self.register_msg = register
+        # The node's engine step samples: each heartbeat carries those recorded since this link's last one.
+        self.step_samples = step_samples if step_samples is not None else StepSamples()
+        self._samples_sent = 0  # the last sample's sequence number a heartbeat of this link carried
         self.heartbeat_s = heartbeat_s
         self.router_addr = router_addr
         self.ctx = ctx or zmq.Context.instance()
@@ -132,7 +137,8 @@ class RouterLink:
             while not self._stop.wait(self.heartbeat_s):
                 latest = self._latest
                 if latest is not None and self.registered:
-                    sock.send(latest.encode())
+                    rows, self._samples_sent = self.step_samples.since(self._samples_sent)
+                    sock.send(dataclasses.replace(latest, step_samples=rows).encode())
         finally:
             sock.close(linger=0)
 

@@ -35,6 +35,7 @@ import zmq
 from pdserve.node.requests import NodeRequests
 from pdserve.node.router_discovery import RouterDiscovery
 from pdserve.node.router_link import RouterLink
+from pdserve.node.step_samples import StepSamples
 from pdserve.protocol.messages import Abort, Heartbeat, Message, PrefillRequest, Register, TokenBatch
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class RouterLinks:
         self.discovery = discovery
         self.register_msg = register
         self.heartbeat_s = heartbeat_s
+        self.step_samples = StepSamples()  # the node's engine steps: every router's heartbeats carry them
         self._make_link = make_link or (lambda addr: RouterLink(addr, register, heartbeat_s=heartbeat_s, ctx=ctx,
                                                                 curve=curve))
         self.links: dict[str, RouterLink] = {}  # router address → link
@@ -84,6 +86,7 @@ class RouterLinks:
         for addr in wanted:
             if addr not in self.links:
                 link = self.links[addr] = self._make_link(addr)
+                link.step_samples = self.step_samples
                 if self.registered:
                     link.register()
 

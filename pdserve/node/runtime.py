@@ -3,7 +3,8 @@
     parse flags, logging ─▶ fault hook, exposure check (exit 2: an exposed socket without keys),
       stop handlers, CURVE keys, node id, served model name
       ─▶ status server up (/health 503: a health check sees "loading", not a refused port)
-      ─▶ the role's `build(setup)`: engine, KV endpoint, RouterLinks, node   (prefill/, decode/)
+      ─▶ the role's `build(setup)`: engine, KV endpoint(s), RouterLinks, node   (prefill/, decode/; a
+         node that may change role: cli/node.py, a node/role_switch.py RoleSwitcher around both)
       ─▶ warm-up ─▶ status server ready (/health 200)
       ─▶ `serve_node`: register (with every router), loop, drain on SIGTERM/SIGINT, deregister
       ─▶ everything opened is closed, in reverse order, however it ended
@@ -144,6 +145,7 @@ def _node_loop(node: Node, link: RouterLink | RouterLinks, stop_flag: list[bool]
     while True:
         node.run_once()
         if stats is not None:
+            stats.role = getattr(node, "role", stats.role)  # a node that changed role (SetRole) logs as its new one
             stats.maybe_log()
         if stop_flag[0]:
             if drain_deadline is None:

@@ -1,5 +1,7 @@
-"""`pdserve prefill --router ADDR ...` (also `python -m pdserve.prefill_node`). With `--role both` the
-node prefills and decodes its own requests: the colocated comparison mode. The process's life is
+"""`python -m pdserve.prefill_node --router ADDR ...`: a FIXED-ROLE prefill node (a SetRole from a
+router is logged and ignored; `pdserve prefill`, pdserve/cli/node.py, is the node that may change
+role: this package may not import the decode node). With `--role both` the node prefills and
+decodes its own requests: the colocated comparison mode. The process's life is
 the node runtime's (`pdserve.node.runtime.run_node`); what is prefill's own is built here."""
 
 from __future__ import annotations

@@ -32,27 +32,25 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.engine_wire import token_events
 from pdserve.node.faults import FaultInjection
+from pdserve.node.local_requests import LocalRequests
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.requests import NodeRequests, Stage, table_of
 from pdserve.node.router_link import RouterLink
+from pdserve.node.step_samples import StepSamples
 from pdserve.protocol.messages import (
     Abort,
     Error,
-    FirstToken,
     Heartbeat,
     KVReady,
     Message,
     PrefillRequest,
-    Token,
+    SetRole,
     TokenBatch,
 )
 
@@ -78,8 +76,13 @@ class PrefillNode:
         self.node_id = link.register_msg.node_id
         self.requests = requests if requests is not None else table_of(link)  # what it holds, per request
         self.draining = False
+        # A role change is pending (node/role_switch.py): not ready, new requests refused (retryable).
+        self.switching = False
+        self.on_set_role: Callable[[SetRole], None] | None = None  # None: a fixed-role node ignores SetRole
         self.faults = faults  # tests and chaos runs only
-        self.max_queue_len = max_queue_len  # requests waiting to be scheduled; past it, new ones are refused
+        # Prefill and the colocated path (admit, first tokens, decoding here): node/local_requests.py
+        self.local = LocalRequests(engine, link, self.requests, self.node_id, max_queue_len=max_queue_len)
+        self.steps: StepSamples = getattr(link, "step_samples", None) or StepSamples()  # for the heartbeats
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, role)
         self.metrics.watch(self.metrics_snapshot)
         # KVSender (None when colocated only); it calls back into this node, so it is made here, last.
@@ -99,35 +102,32 @@ class PrefillNode:
     def is_idle(self) -> bool:
         return len(self.requests) == 0
 
+    @property
+    def max_queue_len(self) -> int:
+        return self.local.max_queue_len
+
     def handle(self, msg: Message) -> None:
         if isinstance(msg, PrefillRequest):
             self._admit(msg)
         elif isinstance(msg, Abort):
             self.abort(msg.request_id)
+        elif isinstance(msg, SetRole):
+            if self.on_set_role is not None:
+                self.on_set_role(msg)
+            else:
+                logger.warning("%s serves %s only (started fixed-role): SetRole(%s) ignored", self.node_id, self.role,
+                               msg.role)
         else:
             logger.warning("prefill node: unexpected %s from the router", msg.TYPE)
 
     def _admit(self, msg: PrefillRequest) -> None:
-        rid = msg.request_id
-        if len(self.engine.scheduler.waiting) >= self.max_queue_len:  # the router retries it elsewhere
-            self._refuse(rid, f"prefill queue full ({self.max_queue_len} waiting)", retryable=True)
+        if self.switching:  # finishing what it holds before it serves another role: the router retries it
+            self._refuse(msg.request_id, f"node {self.node_id} is changing role", retryable=True)
             return
-        try:
-            if rid in self.requests.held_ids():  # handed off already: out of the engine, still held here
-                raise ValueError(f"duplicate request id {rid!r}")
-            params = SamplingParams.from_dict(msg.sampling)
-            self.engine.add_request(msg.prompt_token_ids, params, request_id=rid, priority=msg.priority,
-                                    num_prior_output_tokens=msg.num_prior_output_tokens)
-        except ValueError as e:
-            self._refuse(rid, str(e))
-            return
-        self.requests.admit(rid, Stage.PREFILLING, handoff=msg)
-        request = self.engine.scheduler.requests[rid]
-        request.timings.update(received=time.time(), router_arrival=msg.arrival_time)
+        self.local.admit(msg)
 
     def _refuse(self, request_id: str, message: str, *, retryable: bool = False) -> None:
-        self.link.send(Error(request_id=request_id, node_id=self.node_id, message=message, retryable=retryable))
-        self.requests.forget_unadmitted(request_id)
+        self.local.refuse(request_id, message, retryable=retryable)
 
     def abort(self, request_id: str) -> None:
         """Let the request go: out of the engine (an n > 1 request: each of its choices), or, handed
@@ -138,22 +138,27 @@ class PrefillNode:
         for rid in self.requests.family(request_id):
             self.requests.forget(rid)
 
+    def give_up(self, message: str) -> None:
+        """Let go of everything held (a role change that timed out): each request in the engine
+        aborted, its router told with a retryable Error (it re-dispatches); a handed-off request's
+        lease released (its decode node's transfer fails and reports it, so no Error from here)."""
+        for rid in list(self.requests.held_ids()):
+            stage = self.requests.stage(rid)
+            if stage is None:
+                continue  # went with its family
+            if stage is Stage.HANDED_OFF:
+                self.sender.abort(rid)  # `_release` frees and forgets it
+                continue
+            self.link.send(Error(request_id=rid, node_id=self.node_id, message=message, retryable=True))
+            self.abort(rid)
+
     # ---- one engine step --------------------------------------------------------------------
     def _step(self) -> None:
         if self.faults is not None:
             self.faults.delay_step()
-        stepped = self.engine.step_requests()
-        tokens: list[Token] = []
-        finished: list[str] = []
-        first_tokens: dict[str, list[Request]] = {}  # request id → it, or its n > 1 choices, just forked
-        for request in stepped:
-            rid = request.request_id
-            if self.requests.stage(rid) is Stage.COLOCATED:
-                tokens.extend(token_events(request))  # colocated decode: several a step when speculating
-                if request.is_finished:
-                    finished.append(rid)
-                continue
-            first_tokens.setdefault(request.parent_id or rid, []).append(request)
+        stepped = self.steps.step(self.engine)
+        # colocated decodes' tokens, and request id → it, or its n > 1 choices just forked: first tokens
+        tokens, finished, first_tokens = self.local.sort_step(stepped)
         for rid, requests in first_tokens.items():
             self._first_tokens(rid, requests)
         if tokens:
@@ -161,42 +166,15 @@ class PrefillNode:
         for rid in finished:  # once its last token is on its way to its router
             self.requests.forget(rid)
 
-    def _send_first_token(self, request: Request) -> dict | None:
-        """FirstToken to the router; returns the token's logprobs."""
-        now = time.time()
-        t = request.timings
-        t["first_token"] = now
-        logprobs = request.output_logprobs[-1] if request.output_logprobs else None
-        self.link.send(FirstToken(
-            request_id=request.request_id, token_id=request.output_token_ids[-1], logprobs=logprobs,
-            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            queued_s=t.get("scheduled", now) - t.get("received", now), prefill_s=now - t.get("scheduled", now),
-        ))
-        self.requests.log(request.request_id, t)
-        return logprobs
-
     def _first_tokens(self, rid: str, requests: list[Request]) -> None:
         """Request `rid` sampled its first token (`requests` = [it], or its n > 1 choices): each
         to the router, then, unless that ended it, its KV to the decode node (once for all the
         choices), or it decodes here (colocated)."""
-        entry = self.requests.get(rid)
-        msg = entry.handoff
-        forked = requests[0].parent_id is not None
-        if forked:  # each choice an entry of its own, from the request's router
-            requests = sorted(requests, key=lambda c: c.choice_index)
-            for choice in requests:
-                self.requests.admit(choice.request_id, Stage.PREFILLING, parent_id=rid, origin=entry.origin)
-        firsts = [(r.output_token_ids[-1], self._send_first_token(r)) for r in requests]
+        msg = self.requests.get(rid).handoff
+        firsts, forked = self.local.send_first_tokens(rid, requests)
         live = [r for r in requests if not r.is_finished]
         if not live or not msg.decode_node_id:  # ended by its first token, or colocated: decodes here
-            for r in requests:
-                if r.is_finished:
-                    self.requests.forget(r.request_id)
-                else:
-                    self.requests.move(r.request_id, Stage.COLOCATED)
-            if forked:  # its choices stand for it
-                self.requests.forget(rid)
+            self.local.decode_here(rid, requests, forked)
             return
         if forked:  # their first tokens sent; the request id stands for them in the hand-off
             for choice in requests:
@@ -236,14 +214,19 @@ class PrefillNode:
         sched = self.engine.scheduler
         return sum(r.num_tokens - r.num_computed_tokens for r in [*sched.waiting, *sched.running])
 
+    @property
+    def ready(self) -> bool:
+        """Taking new requests: not draining, not changing role."""
+        return not self.draining and not self.switching
+
     def heartbeat(self) -> Heartbeat:
         sched, bm = self.engine.scheduler, self.engine.block_manager
         outstanding = self.outstanding_tokens()
         return Heartbeat(
             node_id=self.node_id, num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             num_running=len(sched.running), num_waiting=len(sched.waiting),
-            num_outstanding_tokens=outstanding, ready=not self.draining,
-            request_ids=self.requests.held_ids(),
+            num_outstanding_tokens=outstanding, ready=self.ready,
+            request_ids=self.requests.held_ids(), role=self.role,
         )
 
     def status(self) -> dict:
