@@ -6,6 +6,9 @@
     GET  /health                200 while a ready prefill-capable and decode-capable node are registered,
                                 else 503; both carry the router's instance id (see create_app)
     GET  /nodes                 the live nodes, their role, load, fitted speed and status URLs
+    POST /nodes/{id}/role       {"role": "prefill"|"decode"}: the node drains and serves that role,
+                                model still loaded (202; 404 unknown node; 409 refused, e.g. the
+                                last decode node)
     GET  /planner               the planner's last decision, its reason and the pool sizes it wants
                                 (404 without --planner); `pdserve serve` scales from it
     GET  /metrics               Prometheus text format (router/metrics.py)
@@ -77,6 +80,7 @@ def create_app(router: Router, *, api_key: str | None = None, instance_id: str |
     app.router.add_get("/health", _health)
     app.router.add_get("/nodes", _nodes)
     app.router.add_get("/planner", _planner)
+    app.router.add_post("/nodes/{node_id}/role", _set_role)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
     return app
@@ -177,6 +181,25 @@ async def _nodes(request: web.Request) -> web.Response:
     """The live nodes, their load and status URLs (like SGLang router's worker list)."""
     router: Router = request.app[ROUTER_KEY]
     return web.json_response({"nodes": [node_summary(n) for n in router.registry.nodes.values()]})
+
+
+async def _set_role(request: web.Request) -> web.Response:
+    """Ask a node to change role (docs/disaggregation.md#role-changes)."""
+    router: Router = request.app[ROUTER_KEY]
+    try:
+        body = await _read_json(request)
+    except ProtocolError as e:
+        return _error_response(RouterError(e.message, e.status, e.type))
+    role = body.get("role") if isinstance(body, dict) else None
+    if role not in ("prefill", "decode"):
+        return _error_response(RouterError('the body must be {"role": "prefill"} or {"role": "decode"}', 400,
+                                           "BadRequestError"))
+    node_id = request.match_info["node_id"]
+    refused = await router.set_role(node_id, role)
+    if refused is not None:
+        status = 404 if node_id not in router.registry.nodes else 409
+        return _error_response(RouterError(refused, status, "NotFoundError" if status == 404 else "ConflictError"))
+    return web.json_response({"node_id": node_id, "role": role, "status": "changing"}, status=202)
 
 
 async def _planner(request: web.Request) -> web.Response:

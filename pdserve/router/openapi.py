@@ -185,7 +185,8 @@ _HEALTH: Schema = {"type": "object", "required": ["status", "instance_id"], "pro
     "status": {"type": "string", "description": "ok, or why not"},
     "instance_id": {"type": "string", "description": "the router process's id (`pdserve router --instance-id`)"}}}
 
-_SECURED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/nodes", "/planner")  # all but router/app.py's OPEN_PATHS
+_SECURED = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/nodes", "/nodes/{node_id}/role",
+            "/planner")  # all but router/app.py's OPEN_PATHS
 
 
 def openapi_spec(*, with_api_key: bool = False) -> dict:
@@ -200,6 +201,14 @@ def openapi_spec(*, with_api_key: bool = False) -> dict:
                                                                 **_json(_HEALTH)}}),
         "/nodes": _get("The live nodes and their load", "application/json",
                        {"type": "object", "properties": {"nodes": {"type": "array", "items": _NODE}}}),
+        "/nodes/{node_id}/role": {"post": {
+            "summary": "Ask a node to serve another role: it drains, then registers again with it",
+            "parameters": [{"name": "node_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["role"], "properties": {"role": {"enum": ["prefill", "decode"]}}}}}},
+            "responses": {"202": {"description": "SetRole sent"}, "400": {"description": "bad body"},
+                          "404": {"description": "no such node"},
+                          "409": {"description": "refused: already that role, the last decode node, a 'both' node"}}}},
         "/planner": _get("The planner's last decision (404 without --planner)", "application/json", _PLANNER),
         "/metrics": _get("Prometheus metrics", "text/plain", {"type": "string"}),
         "/openapi.json": _get("This description", "application/json", {"type": "object"}),

@@ -40,6 +40,7 @@ import gc
 import logging
 from collections.abc import Mapping
 
+from pdserve.protocol.messages import SetRole
 from pdserve.router.choices import ChoiceGroup, ChoiceGroups
 from pdserve.router.control import ControlSocket
 from pdserve.router.disagg import PathPolicy
@@ -192,6 +193,29 @@ class Router:
     async def release(self, req: RouterRequest, reason: str = "client disconnected") -> None:
         """The HTTP side is done with `req`: if it has not ended, the client went away, so abort it."""
         await self.dispatcher.release(req, reason)
+
+    async def set_role(self, node_id: str, role: str, reason: str = "asked over HTTP") -> str | None:
+        """Ask node `node_id` to serve `role` (POST /nodes/{id}/role, or the planner). Returns
+        None once SetRole is sent, else why not (the HTTP side answers 404 or 409)."""
+        node = self.registry.nodes.get(node_id)
+        if node is None:
+            return f"no node {node_id!r} is registered"
+        if node.role not in ("prefill", "decode"):
+            return f"node {node_id} serves {node.role!r}: only prefill and decode nodes change role"
+        if (node.changing_to or node.role) == role:
+            return f"node {node_id} already serves {role}" + (" (changing)" if node.changing_to else "")
+        others = [n for n in self.registry.nodes.values() if n is not node and n.ready]
+        if role == "prefill" and not any((n.changing_to or n.role) in ("decode", "both") for n in others):
+            return f"node {node_id} is the last decode node"
+        if (role == "decode" and self.registry.path.policy == "always"
+                and not any((n.changing_to or n.role) in ("prefill", "both") for n in others)):
+            return f"node {node_id} is the last prefill node and --disagg-policy is always"
+        node.changing_to = role
+        if not await self.dispatcher.send(node, SetRole(role, reason)):
+            node.changing_to = ""
+            return f"node {node_id} cannot be reached"
+        logger.info("node %s asked to serve %s: %s", node_id, role, reason)
+        return None
 
     async def release_choices(self, group: ChoiceGroup, reason: str = "client disconnected") -> None:
         """`release` of every choice of `group` (choices.py)."""

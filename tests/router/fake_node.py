@@ -30,6 +30,7 @@ from pdserve.protocol.messages import (
     PrefillRequest,
     Register,
     Reregister,
+    SetRole,
     Token,
     TokenBatch,
     decode,
@@ -65,6 +66,7 @@ class FakeNode:
         self.reregisters = 0
         self.swallow = 0  # PrefillRequests to drop without a trace (a message lost with a dying node)
         self.prefills: list[PrefillRequest] = []
+        self.set_roles: list[SetRole] = []
         self.aborts: list[Abort] = []
         self.tasks: dict[str, asyncio.Task] = {}  # request_id -> its generation
         self._ctx = zmq.asyncio.Context()
@@ -128,10 +130,21 @@ class FakeNode:
             elif isinstance(msg, Reregister):
                 self.reregisters += 1
                 await self.register()
+            elif isinstance(msg, SetRole):  # drain, then register again with the new role
+                self.set_roles.append(msg)
+                self._loops.append(asyncio.create_task(self._change_role(msg.role)))
             elif isinstance(msg, Abort):
                 self.aborts.append(msg)
                 for rid in [r for r in self.tasks if r == msg.request_id or r.startswith(msg.request_id + "#")]:
                     self.tasks.pop(rid).cancel()  # an n > 1 request's id: its choices too
+
+    async def _change_role(self, role: str) -> None:
+        self.ready = False
+        while self.tasks:
+            await asyncio.sleep(0.01)
+        self.role = role
+        await self.register()
+        self.ready = True
 
     def _run(self, request_id: str, coro) -> None:
         task = asyncio.create_task(coro)
