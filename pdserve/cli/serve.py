@@ -15,13 +15,22 @@ that would expose a ZMQ socket beyond loopback without CURVE keys (`--zmq-curve-
 --insecure, and a busy --port. It reports ready only when /health answers
 200 with the instance id it gave its own router (never because another server holds the port), and
 whichever way it ends (Ctrl-C, a crash loop, never becoming healthy) it stops every process and
-prints one last `stopped` line."""
+prints one last `stopped` line.
+
+`--planner` also sizes the pools: the router runs its planner (`--planner --planner-scaler serve`,
+with --slo-ttft-ms/--slo-tpot-ms), and every PLANNER_POLL_S this command reads GET /planner's
+`desired` pool sizes and starts node processes (the next `prefill-N`/`decode-N`, with the flags
+its role's nodes get) or stops the highest-numbered ones with SIGTERM (they drain, then exit; no
+restart). Never more than --max-nodes prefill + decode nodes (default: as many as it started
+with, so the planner can shrink an idle stack and grow it back; raise it to let the planner go
+beyond, each new node with the same --num-threads), never below one decode node."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import signal
@@ -30,6 +39,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 
 from pdserve.cli.model import resolve_model_verbosely
 from pdserve.cli.preflight import check_draft_model, check_role_args, parse_node_args
@@ -37,6 +47,8 @@ from pdserve.engine.args import add_engine_args, engine_argv
 from pdserve.engine.loader import served_model_name
 from pdserve.router.ports import check_port_free
 from pdserve.utils.processes import free_port, stop_processes
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the stack when a process dies instead of restarting it (default: off)")
     g.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR, for this command and every process (default: %(default)s)")
+    g = p.add_argument_group("planner (pool sizes from the router's SLO planner)")
+    g.add_argument("--planner", action="store_true",
+                   help="the router's planner chooses each node's role and the pool sizes; this command starts "
+                        "and stops nodes to match (not with --colocated) (default: off)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="with --planner: the p90 TTFT target (default: the router's)")
+    g.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="with --planner: the TPOT target (default: the router's)")
+    g.add_argument("--max-nodes", type=int, default=None, metavar="N",
+                   help="with --planner: at most N prefill + decode nodes (default: --num-prefill + --num-decode)")
     return p
 
 
@@ -111,7 +133,7 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
     procs = [("router", py + ["pdserve.router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
                               "--instance-id", instance_id, "--log-level", args.log_level, "--model", args.model,
                               *named, *secure, *(["--api-key", args.api_key] if args.api_key else []), *many,
-                              *shlex.split(args.router_args)])]
+                              *planner_argv(args), *shlex.split(args.router_args)])]
     for role, count in roles:
         module = "pdserve.decode_node" if role == "decode" else "pdserve.prefill_node"
         for i in range(count):
@@ -121,6 +143,19 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
                 argv += ["--role", "both"]
             procs.append((f"{role}-{i}", argv))
     return procs
+
+
+def max_nodes(args: argparse.Namespace) -> int:
+    return args.max_nodes if args.max_nodes is not None else args.num_prefill + args.num_decode
+
+
+def planner_argv(args: argparse.Namespace) -> list[str]:
+    """The router's planner flags for `--planner` (none without it)."""
+    if not getattr(args, "planner", False):
+        return []
+    slo = [a for flag, v in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms))
+           if v is not None for a in (flag, f"{v:g}")]
+    return ["--planner", "--planner-scaler", "serve", "--planner-max-nodes", str(max_nodes(args)), *slo]
 
 
 def node_args(args: argparse.Namespace, role: str, index: int) -> list[str]:
@@ -190,10 +225,14 @@ def demo_chat(url: str, api_key: str | None = None) -> None:
 
 
 def supervise(commands: list[tuple[str, list[str]]], procs: list[tuple[str, subprocess.Popen]],
-              stopping: list[bool], no_restart: bool) -> int:
-    """Restart processes that die until asked to stop (0), or until one keeps dying (1)."""
+              stopping: list[bool], no_restart: bool, on_tick: Callable[[], None] | None = None) -> int:
+    """Restart processes that die until asked to stop (0), or until one keeps dying (1).
+    `on_tick` (the --planner scaler) runs first in every round; it may add to or take from
+    `commands` and `procs`."""
     restarts: dict[str, list[float]] = {}
     while not stopping[0]:
+        if on_tick is not None:
+            on_tick()
         for i, (name, proc) in enumerate(procs):
             if proc.poll() is None or stopping[0]:
                 continue
@@ -215,6 +254,7 @@ def run_stack(args: argparse.Namespace, parser: argparse.ArgumentParser, stoppin
     instance_id = uuid.uuid4().hex  # tells our router's /health from another server's on the port
     commands = plan(args, parser, instance_id)
     procs: list[tuple[str, subprocess.Popen]] = []
+    scaler: NodeScaler | None = None
     try:
         for name, cmd in commands:
             procs.append((name, subprocess.Popen(cmd, start_new_session=True)))
@@ -228,11 +268,120 @@ def run_stack(args: argparse.Namespace, parser: argparse.ArgumentParser, stoppin
               "Ctrl-C stops it", flush=True)
         if args.demo:
             demo_chat(url, args.api_key)
-        return supervise(commands, procs, stopping, args.no_restart)
+        if getattr(args, "planner", False):
+            scaler = NodeScaler(url, commands, procs, max_nodes=max_nodes(args), api_key=args.api_key,
+                                node_extra=lambda role, i: node_args(args, role, i), poll_s=PLANNER_POLL_S)
+        return supervise(commands, procs, stopping, args.no_restart, scaler.tick if scaler else None)
     finally:
-        killed = stop_all(procs)
+        killed = stop_all(procs + (scaler.draining if scaler else []))
         if procs:
             print(stopped_line(procs, killed), file=sys.stderr, flush=True)
+
+
+PLANNER_POLL_S = 5.0
+POOLS = ("prefill", "decode")
+MIN_NODES = {"decode": 1}
+
+
+def fetch_desired(url: str, api_key: str | None = None) -> dict[str, int] | None:
+    """GET /planner's `desired` pool sizes; None when there is no answer to act on (not up, 404 from
+    a router process that runs no planner, no decision yet)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + "/planner", headers=headers), timeout=2) as r:
+            desired = json.loads(r.read()).get("desired") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    try:
+        return {pool: int(desired[pool]) for pool in POOLS if pool in desired} or None
+    except (TypeError, ValueError):
+        return None
+
+
+def start_process(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, start_new_session=True)
+
+
+class NodeScaler:
+    """`--planner`: every `poll_s`, makes the prefill and decode node processes as many as the
+    router's GET /planner asks for (bounded by `max_nodes` and one decode node). A new node gets the
+    next number of its role and its role's argv (node 0's, with its own --node-id and per-node
+    flags); a node let go is the highest-numbered of its role, sent SIGTERM and moved from `procs`
+    (which the supervisor restarts) to `draining` (stopped with the stack if still there)."""
+
+    def __init__(self, url: str, commands: list[tuple[str, list[str]]], procs: list[tuple[str, subprocess.Popen]],
+                 *, max_nodes: int, api_key: str | None = None,
+                 node_extra: Callable[[str, int], list[str]] = lambda role, i: [],
+                 fetch: Callable[[str, str | None], dict[str, int] | None] = fetch_desired,
+                 start: Callable[[list[str]], subprocess.Popen] = start_process,
+                 poll_s: float = PLANNER_POLL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.commands, self.procs = url, commands, procs
+        self.max_nodes, self.api_key, self.node_extra = max_nodes, api_key, node_extra
+        self.fetch, self.start, self.poll_s, self.clock = fetch, start, poll_s, clock
+        self.draining: list[tuple[str, subprocess.Popen]] = []
+        self.templates = {node_role(name): argv for name, argv in commands
+                          if node_role(name) in POOLS and node_number(name) == 0}
+        self._next = {role: 1 + max((node_number(n) for n, _ in commands if node_role(n) == role), default=-1)
+                      for role in POOLS}
+        self._last = -math.inf
+
+    def nodes(self, role: str) -> list[str]:
+        return sorted((name for name, _ in self.procs if node_role(name) == role), key=node_number)
+
+    def tick(self) -> None:
+        now = self.clock()
+        if now - self._last < self.poll_s:
+            return
+        self._last = now
+        self.draining = [(n, p) for n, p in self.draining if p.poll() is None]
+        desired = self.fetch(self.url, self.api_key)
+        if desired:
+            self.scale(desired)
+
+    def scale(self, desired: dict[str, int]) -> None:
+        want = {role: max(desired[role], MIN_NODES.get(role, 0)) for role in POOLS if role in desired}
+        for role, n in want.items():  # down first: it frees room under max_nodes
+            for name in reversed(self.nodes(role)[n:]):  # highest-numbered first
+                self.stop(name)
+        for role, n in want.items():
+            for _ in range(n - len(self.nodes(role))):
+                if sum(len(self.nodes(r)) for r in POOLS) >= self.max_nodes:
+                    logger.info("planner wants %d %s nodes; --max-nodes %d reached", n, role, self.max_nodes)
+                    break
+                self.add(role)
+
+    def add(self, role: str) -> None:
+        template = self.templates.get(role)
+        if template is None:
+            logger.warning("planner wants more %s nodes, but this stack started none to copy", role)
+            return
+        index = self._next[role]
+        self._next[role] += 1
+        name = f"{role}-{index}"
+        extra0 = self.node_extra(role, 0)
+        argv = list(template[:len(template) - len(extra0)]) + self.node_extra(role, index)
+        argv[argv.index("--node-id") + 1] = name
+        print(f"pdserve serve: planner: starting {name}", file=sys.stderr, flush=True)
+        self.commands.append((name, argv))
+        self.procs.append((name, self.start(argv)))
+
+    def stop(self, name: str) -> None:
+        (i,) = [i for i, (n, _) in enumerate(self.procs) if n == name]
+        _, proc = self.procs.pop(i)
+        self.commands[:] = [(n, a) for n, a in self.commands if n != name]
+        print(f"pdserve serve: planner: stopping {name} (it drains)", file=sys.stderr, flush=True)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        self.draining.append((name, proc))
+
+
+def node_role(name: str) -> str:
+    return name.rsplit("-", 1)[0]
+
+
+def node_number(name: str) -> int:
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
 
 
 ROLE_ARG_FLAGS = ("--prefill-args", "--decode-args", "--router-args")
@@ -257,6 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --port: {args.port} is not a port number (1..65535)")
     if args.api_server_count < 1:
         parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
+    if args.planner and args.colocated:
+        parser.error("argument --planner: not with --colocated (the planner sizes prefill and decode pools)")
+    if not args.planner and (args.max_nodes, args.slo_ttft_ms, args.slo_tpot_ms) != (None, None, None):
+        parser.error("arguments --max-nodes, --slo-ttft-ms, --slo-tpot-ms: only with --planner")
+    if args.planner and max_nodes(args) < max(2, args.num_prefill + args.num_decode):
+        parser.error(f"argument --max-nodes: {max_nodes(args)} is less than the nodes it starts with "
+                     f"({args.num_prefill + args.num_decode}) or 2")
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if value is not None and not value > 0:
+            parser.error(f"argument {flag}: {value:g} is not a positive number of milliseconds")
     role_args = [("--prefill-args", value) for value in args.prefill_args or []]
     role_args += [("--decode-args", value) for value in args.decode_args or []]
     role_args += [("--router-args", args.router_args)]
