@@ -96,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop the stack when a process dies instead of restarting it (default: off)")
     g.add_argument("--log-level", default="INFO",
                    help="DEBUG, INFO, WARNING or ERROR, for this command and every process (default: %(default)s)")
-    g = p.add_argument_group("planner (pool sizes from the router's SLO planner)")
+    g = p.add_argument_group("disaggregation and the planner (docs/disaggregation.md)")
+    g.add_argument("--disagg-policy", choices=["always", "never", "auto"], default="always",
+                   help="where the router has each request prefilled: 'always' on a prefill node, 'never' on its "
+                        "decode node, 'auto' per request by the cost model (default: %(default)s)")
     g.add_argument("--planner", action="store_true",
                    help="the router's planner chooses each node's role and the pool sizes; this command starts "
                         "and stops nodes to match (not with --colocated) (default: off)")
@@ -133,11 +136,12 @@ def plan(args: argparse.Namespace, parser: argparse.ArgumentParser,
     procs = [("router", py + ["pdserve.router", "--host", args.host, "--port", str(args.port), "--control-addr", control,
                               "--instance-id", instance_id, "--log-level", args.log_level, "--model", args.model,
                               *named, *secure, *(["--api-key", args.api_key] if args.api_key else []), *many,
-                              *planner_argv(args), *shlex.split(args.router_args)])]
+                              *policy_argv(args), *planner_argv(args), *shlex.split(args.router_args)])]
     for role, count in roles:
-        module = "pdserve.decode_node" if role == "decode" else "pdserve.prefill_node"
+        # `pdserve prefill` / `pdserve decode` (cli/node.py): nodes that change role on the router's SetRole
+        command = "decode" if role == "decode" else "prefill"
         for i in range(count):
-            argv = py + [module, "--router", control, "--node-id", f"{role}-{i}", "--num-threads", str(threads),
+            argv = py + ["pdserve.cli.main", command, "--router", control, "--node-id", f"{role}-{i}", "--num-threads", str(threads),
                          *common, *extras[role][i]]
             if role == "both":
                 argv += ["--role", "both"]
@@ -156,6 +160,12 @@ def planner_argv(args: argparse.Namespace) -> list[str]:
     slo = [a for flag, v in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms))
            if v is not None for a in (flag, f"{v:g}")]
     return ["--planner", "--planner-scaler", "serve", "--planner-max-nodes", str(max_nodes(args)), *slo]
+
+
+def policy_argv(args: argparse.Namespace) -> list[str]:
+    """The router's --disagg-policy (only when not the default: --router-args may set it too)."""
+    policy = getattr(args, "disagg_policy", "always")
+    return ["--disagg-policy", policy] if policy != "always" else []
 
 
 def node_args(args: argparse.Namespace, role: str, index: int) -> list[str]:
@@ -406,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --port: {args.port} is not a port number (1..65535)")
     if args.api_server_count < 1:
         parser.error(f"argument --api-server-count: {args.api_server_count} is not a process count (1 or more)")
+    if not args.colocated and (args.num_prefill < 0 or args.num_decode < 1):
+        parser.error(f"arguments --num-prefill/--num-decode: {args.num_prefill} and {args.num_decode}: "
+                     "0 or more prefill nodes and at least 1 decode node")
+    if not args.colocated and args.num_prefill == 0 and args.disagg_policy == "always" \
+            and "--disagg-policy" not in shlex.split(args.router_args):
+        parser.error("argument --num-prefill: 0 prefill nodes need --disagg-policy never or auto "
+                     "(decode nodes prefill their own requests)")
     if args.planner and args.colocated:
         parser.error("argument --planner: not with --colocated (the planner sizes prefill and decode pools)")
     if not args.planner and (args.max_nodes, args.slo_ttft_ms, args.slo_tpot_ms) != (None, None, None):

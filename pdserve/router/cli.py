@@ -140,7 +140,9 @@ def planning(args: argparse.Namespace):
         return path, None, None
     config = PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=slo_tpot_s,
                            interval_s=args.planner_interval, window_s=args.planner_window,
-                           cooldown_s=args.planner_cooldown, max_nodes=args.planner_max_nodes)
+                           cooldown_s=args.planner_cooldown, max_nodes=args.planner_max_nodes,
+                           # under `always` every request needs a prefill node: never move the last one
+                           min_prefill=1 if args.disagg_policy == "always" else 0)
     return path, Planner(config), make_scaler(args.planner_scaler)
 
 

@@ -46,16 +46,16 @@ def test_every_engine_command_refuses_a_bad_value_naming_the_flag(command):
 
 
 def test_serve_forwards_the_scheduling_flags_to_every_node():
-    from pdserve.decode_node.__main__ import build_parser as decode_parser
-    from pdserve.prefill_node.__main__ import build_parser as prefill_parser
+    from pdserve.cli.node import build_parser as node_parser
 
     parser = build_parser()
     args = parser.parse_args(["--model", "m", "--scheduling-policy", "sjf", "--sjf-length-factor", "2.5",
                               "--sjf-aging-s", "inf"])
     commands = dict(plan(args, parser, "abc"))
-    for name, make_parser in (("prefill-0", prefill_parser), ("decode-0", decode_parser)):
-        argv = commands[name][commands[name].index("-m") + 2:]
-        node = make_parser().parse_args(argv)
+    for name, role in (("prefill-0", "prefill"), ("decode-0", "decode")):
+        cmd = commands[name]  # python -m pdserve.cli.main ROLE FLAGS...: the role-changing node (cli/node.py)
+        assert cmd[cmd.index("-m") + 1:cmd.index("-m") + 3] == ["pdserve.cli.main", role]
+        node = node_parser(role).parse_args(cmd[cmd.index("-m") + 3:])
         assert (node.scheduling_policy, node.sjf_length_factor, node.sjf_aging_s) == ("sjf", 2.5, float("inf"))
     default = parser.parse_args(["--model", "m"])
     assert not any("--sjf" in a or "--scheduling" in a for a in dict(plan(default, parser, "x"))["decode-0"])

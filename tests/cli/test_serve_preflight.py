@@ -59,7 +59,8 @@ def test_busy_port_fails_at_once_with_one_clear_line(tiny_llama):
 
 
 def _node_argv(argv: list[str]) -> list[str]:
-    return argv[argv.index("-m") + 2:]  # drop `python -m module`
+    skip = 3 if argv[argv.index("-m") + 1] == "pdserve.cli.main" else 2  # `python -m module [command]`
+    return argv[argv.index("-m") + skip:]
 
 
 def test_plan_forwards_exactly_the_engine_flags_set_and_the_instance_id():

@@ -55,7 +55,7 @@ def test_serve_gives_the_count_to_the_router_and_every_router_to_every_node():
     for name in ("prefill-0", "prefill-1", "decode-0"):
         argv = commands[name]
         assert parse_router_specs(argv[argv.index("--router") + 1]) == controls
-    decode = decode_parser().parse_args(commands["decode-0"][commands["decode-0"].index("-m") + 2:])
+    decode = decode_parser().parse_args(commands["decode-0"][commands["decode-0"].index("-m") + 3:])
     assert parse_router_specs(decode.router) == controls
     one = dict(plan(parser.parse_args(["--model", "m"]), parser, "abc"))["router"]
     assert "--api-server-count" not in one
