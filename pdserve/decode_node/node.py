@@ -16,8 +16,24 @@ A request's states here (the scheduler's; the node only talks to the receiver):
     A preempted request is recomputed here (its prompt + outputs prefilled again) or swapped.
     Receiver FAILED ─▶ scheduler.remote_kv_failed (blocks freed) + a retryable Error to the router.
 
+Local prefill: a PrefillRequest naming no decode node is prefilled here (node/local_requests.py,
+shared with the colocated prefill node): admitted into the engine (queue full: a retryable
+Error), chunk-prefilled among the running decodes under the scheduler's token budget, its first
+token sent as FirstToken, then decoded as any other request (TokenBatch); n > 1 forks as on a
+colocated node. One naming a decode node is refused, retryable (the router sends it to a
+prefill node). The heartbeat's `num_outstanding_tokens` counts the prompt tokens still to
+prefill here.
+
+    PrefillRequest (no decode node) ─▶ PREFILLING (WAITING, RUNNING chunks) ─▶ FirstToken
+        ─▶ COLOCATED (RUNNING, TokenBatch) ─▶ finished / aborted
+
+While a role change is pending (`switching`, node/role_switch.py) heartbeats say not ready and
+new PrefillRequests are refused (retryable); what it holds finishes (KV still to come included);
+`give_up` lets go of what is left when the change times out. Every engine step is recorded for
+the heartbeats (`steps`, node/step_samples.py); heartbeats name the role.
+
 What the node holds for each request is its entry in `self.requests` (node/requests.py): its
-stage (WAITING_FOR_KV, RECEIVING_KV, DECODING), the KVReady it came with, its router, its
+stage (WAITING_FOR_KV, RECEIVING_KV, DECODING; PREFILLING, COLOCATED), the KVReady it came with, its router, its
 timings; n > 1, once forked, each choice's. Every path that lets a request go forgets it there:
 finished, aborted (by its router, or its router gone), refused, its transfer failed.
 

@@ -8,7 +8,8 @@ node admits a request here when it takes it and forgets it here when it lets it 
 lives exactly as long as the node holds anything for the request.
 
     RECEIVED ──admit──▶ PREFILLING ─┬─▶ HANDED_OFF (blocks under a lease) ──lease released──▶ forgotten
-      (a router sent it;            ├─▶ COLOCATED (decoding here) ──finished / aborted──────▶ forgotten
+      (a router sent it;            ├─▶ COLOCATED (decoding here: a colocated prefill node's, or
+                                    │    a decode node's local prefill) ──finished / aborted─▶ forgotten
        its origin noted)            └─ finished with its first token, aborted ─────────────▶ forgotten
       └─ refused (queue full, bad parameters) ─────────────────────────────────────────────▶ forgotten
 
@@ -35,8 +36,8 @@ RECENT_TIMINGS = 1024  # timing records kept for the status endpoint
 
 class Stage(str, enum.Enum):
     RECEIVED = "received"  # a router sent it; the node has not taken it (yet)
-    PREFILLING = "prefilling"  # prefill node: in the engine, before its first token
-    COLOCATED = "colocated"  # prefill node --role both: decoding here after its first token
+    PREFILLING = "prefilling"  # in the engine, before its first token (a prefill node's, or a local prefill)
+    COLOCATED = "colocated"  # decoding where it was prefilled (--role both, a decode node's local prefill)
     HANDED_OFF = "handed_off"  # prefill node: out of the engine, its blocks pinned under a lease
     WAITING_FOR_KV = "waiting_for_kv"  # decode node: announced, waiting for blocks
     RECEIVING_KV = "receiving_kv"  # decode node: blocks allocated, its KV being pulled in

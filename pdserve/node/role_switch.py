@@ -16,6 +16,7 @@ may import both roles (`pdserve/cli/node.py`).
                    (retryable Error: it re-dispatches with the tokens already streamed), then as idle
     SetRole(R) while switching away from R: the switch is called off (ready again).
     SetRole to the role it serves, to or from "both", or while draining: logged and ignored.
+    SIGTERM while switching: the change is called off; the runtime drains and deregisters as ever.
 
 Both KV endpoints live for the whole process, built once at start whatever the first role: the
 KVSender (`SenderSlot`: its lease table's callbacks reach whichever prefill node serves now) and
@@ -106,8 +107,13 @@ class RoleSwitcher:
 
     @draining.setter
     def draining(self, value: bool) -> None:
+        """The runtime drains (SIGTERM): a pending change is called off, the node leaves once idle."""
         self._draining = value
         self.node.draining = value
+        if value and self.target is not None:
+            logger.info("%s: draining: the change to %s is called off", self.node_id, self.target)
+            self.target = None
+            self.node.switching = False
 
     @property
     def requests(self):

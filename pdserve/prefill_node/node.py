@@ -22,6 +22,12 @@ tensor parallelism the block ids are the same on every rank: one release frees t
 on all of them, whatever the decode node's TP size (the sender serves each decode rank its heads
 from the ranks holding them). A failed hand-off is reported to the router before the release.
 
+Admission, first tokens and the colocated path are node/local_requests.py's (a decode node's
+local prefill shares them). While a role change is pending (`switching`, node/role_switch.py)
+heartbeats say not ready and new PrefillRequests are refused (retryable); `give_up` lets go of
+what is left when the change times out. Every engine step is recorded for the heartbeats
+(`steps`, node/step_samples.py); heartbeats name the role (`role`).
+
 n > 1 (parallel sampling): the prompt is prefilled once and its step draws every choice's first
 token; the engine forks the request into choices `{id}#{i}`, each reported in its own FirstToken.
 Handed off, the choices are detached and their shared blocks go back under the request id

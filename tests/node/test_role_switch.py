@@ -12,6 +12,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.protocol.messages import (
+    Deregister,
     Error,
     FirstToken,
     Heartbeat,
@@ -235,6 +236,48 @@ def test_heartbeats_say_not_ready_while_switching(tiny_llama):
         assert beat.ready and beat.role == "prefill"
         stack.settle()
         assert len(stack.tokens("l1")) == 900
+    finally:
+        stack.close()
+    assert_no_leak(stack.engine.block_manager)
+
+
+def test_serving_prefill_a_kv_ready_that_still_arrives_is_refused(tiny_llama):
+    from pdserve.kvtransfer.receiver import KVEvent, KVEventKind
+    from pdserve.protocol.messages import KVReady
+    from tests.node.test_decode_node import FakeReceiver
+
+    stack = Stack(tiny_llama, "prefill")
+    node = stack.node
+    real, node.receiver = node.receiver, FakeReceiver()
+    try:
+        ready = KVReady("stale", list(range(3, 20)), 5, None, GREEDY, 17, [0, 1], 16, 30.0)
+        node.receiver.events = [KVEvent(KVEventKind.READY, "stale", ready)]
+        node.run_once()
+        assert node.receiver.released == [("stale", "n0 serves prefill now, not decode")]
+        stack.router.recv_all(0.3)
+        assert stack.errors()["stale"].retryable and "stale" not in node.requests
+        assert not stack.engine.has_unfinished()
+    finally:
+        node.receiver = real
+        stack.close()
+
+
+def test_draining_calls_a_pending_change_off(tiny_llama):
+    from pdserve.node.runtime import serve_node
+
+    stack = Stack(tiny_llama, "decode")
+    node, router = stack.node, stack.router
+    try:
+        router.send(PrefillRequest("l1", list(range(5, 30)), {**GREEDY, "max_tokens": 50}))
+        stack.run(lambda: "l1" in node.requests.held_ids())
+        router.send(SetRole("prefill"))
+        stack.run(lambda: node.target == "prefill")
+        serve_node(node, node.link, stop_flag=[True], drain_timeout_s=30)  # SIGTERM now: drains, then leaves
+        assert node.target is None and node.role == "decode" and node.is_idle()
+        router.recv_all(0.3)
+        assert len(stack.tokens("l1")) == 50  # finished, then deregistered (no Register as prefill)
+        assert [r.role for r in stack.registers()] == ["decode", "decode"]  # serve_node registers once more
+        assert any(isinstance(m, Deregister) for m in router.received)
     finally:
         stack.close()
     assert_no_leak(stack.engine.block_manager)
