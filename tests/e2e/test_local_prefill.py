@@ -150,3 +150,37 @@ def test_a_decode_node_prefills_locally_exactly(model_dir, tmp_path):
         router.pump(0.3)
         router.close()
     assert code == 0 and router.of("d0", Deregister)  # drained, deregistered
+
+
+# ---- with the real router --------------------------------------------------------------------------
+SMALL_POOL = ["--kv-cache-memory-gb", "0.1"]
+
+
+def completion_ids(stack, prompt, max_tokens: int = 10) -> list[int]:
+    status, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                  "return_token_ids": True, "ignore_eos": True})
+    assert status == 200, body
+    return body["choices"][0]["token_ids"]
+
+
+@pytest.mark.timeout(240)
+def test_disagg_policy_never_prefills_on_the_decode_node(model_dir):
+    """`pdserve serve --num-prefill 0 --disagg-policy never`: the router sends each request to its
+    decode node to prefill there; outputs equal transformers' greedy."""
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.harness.stack import Stack
+
+    path, _, _ = model_dir
+    stack = Stack(str(path), num_prefill=0, num_decode=1, extra=[*SMALL_POOL, "--disagg-policy", "never"])
+    try:
+        (node,) = stack.nodes()
+        assert node["role"] == "decode"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+        for p in prompts(3, seed=5, lo=5, hi=120):
+            assert completion_ids(stack, p) == hf_greedy(model, p, 10)
+        (status,) = stack.wait_idle()
+        assert status["role"] == "decode" and status["num_used_blocks"] == 0
+        assert [t for t in status["timings"] if "first_token" in t]  # first tokens sampled there
+    finally:
+        stack.close()

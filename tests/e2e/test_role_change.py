@@ -97,3 +97,47 @@ def test_nodes_flip_roles_and_stay_exact(model_dir, tmp_path):
         router.close()
     assert codes == {"n0": 0, "n1": 0}  # SIGTERM after role changes still drains and deregisters
     assert router.of("n0", Deregister) and router.of("n1", Deregister)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_router_flips_a_node_over_http_and_outputs_stay_exact(model_dir):
+    """`pdserve serve` (real router, real nodes): POST /nodes/{id}/role turns the prefill node into
+    a decode node and back; the same process each time, blocks all free, greedy outputs exact."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.harness.stack import Stack
+    from tests.e2e.test_local_prefill import SMALL_POOL, completion_ids
+
+    path, _, _ = model_dir
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    stack = Stack(str(path), num_prefill=1, num_decode=1, extra=[*SMALL_POOL, "--disagg-policy", "auto"])
+    ps = prompts(6, seed=13, lo=5, hi=120)
+
+    def flip(node_id: str, role: str) -> None:
+        status, body = stack.post(f"/nodes/{node_id}/role", {"role": role})
+        assert status == 202, body
+        deadline = time.monotonic() + 120
+        while not any(n["node_id"] == node_id and n["role"] == role and n["ready"] for n in stack.nodes()):
+            assert time.monotonic() < deadline, f"{node_id} never served {role}"
+            time.sleep(0.2)
+
+    try:
+        (prefill,) = [n for n in stack.nodes() if n["role"] == "prefill"]
+        pid = stack.get_url(prefill["status_url"] + "/status")["pid"]
+        for p in ps[:2]:
+            assert completion_ids(stack, p) == hf_greedy(model, p, 10)
+        flip(prefill["node_id"], "decode")
+        for p in ps[2:4]:
+            assert completion_ids(stack, p) == hf_greedy(model, p, 10)
+        flip(prefill["node_id"], "prefill")
+        for p in ps[4:]:
+            assert completion_ids(stack, p) == hf_greedy(model, p, 10)
+        status = stack.get_url(prefill["status_url"] + "/status")
+        assert status["pid"] == pid and status["role"] == "prefill" and status["role_changes"] == 2
+        for s in stack.wait_idle():
+            assert s["num_used_blocks"] == 0 and s.get("num_leases", 0) == 0, s
+    finally:
+        stack.close()
