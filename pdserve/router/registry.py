@@ -70,7 +70,9 @@ class NodeInfo:
     @property
     def ready(self) -> bool:
         # Not ready until the first heartbeat says so: Register comes before the model is warm.
-        return self.heartbeat is not None and self.heartbeat.ready
+        # Nor once this router asked it to change role: it refuses new requests until it registers
+        # again (its heartbeats say so too, within a heartbeat period, to every router).
+        return self.heartbeat is not None and self.heartbeat.ready and not self.changing_to
 
     @property
     def prefill_load(self) -> int:
