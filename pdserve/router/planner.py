@@ -1,7 +1,7 @@
 """The planner: how many of the nodes should prefill and how many decode, for the SLOs given.
 
 Every `interval_s` the router's `PlannerLoop` (router/planner_loop.py) hands `Planner.decide`
-the live nodes (role, fitted speed: router/speed.py) and the workload the router saw over the
+the live nodes (role, load), the fleet's fitted step time (router/speed.py) and the workload the router saw over the
 last `window_s` (arrival rate, prompt and output lengths: `WorkloadWindow`). No profiling step:
 the speed is whatever the nodes' own steps showed.
 
@@ -142,7 +142,8 @@ class WorkloadWindow:
 
 
 def fleet_coefficients(models: Sequence[StepModel]) -> np.ndarray | None:
-    """The fleet's step coefficients: the mean of the known nodes' fits (None: none known)."""
+    """The mean of the known fits among `models` (None: none known). The router passes one, the
+    fit over every node's steps pooled (registry.fleet_speed)."""
     known = [m.coefficients() for m in models if m.known]
     return np.mean(known, axis=0) if known else None
 

@@ -58,9 +58,9 @@ class PlannerLoop:
     async def tick(self, now: float | None = None) -> Decision:
         now = time.monotonic() if now is None else now
         nodes = self.fleet()
-        models = [n.speed for n in self.registry.nodes.values()]
-        chunk = max((m.chunk for m in models), default=256)
-        decision = self.planner.decide(now, nodes, self.workload.snapshot(now), models, chunk=chunk)
+        fleet = self.registry.fleet_speed  # every node's steps pooled: a prefill node never decodes
+        chunk = max((n.speed.chunk for n in self.registry.nodes.values()), default=fleet.chunk)
+        decision = self.planner.decide(now, nodes, self.workload.snapshot(now), [fleet], chunk=chunk)
         self.last, self.last_at = decision, time.time()
         for node_id, role in decision.changes:
             node = self.registry.nodes.get(node_id)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from pdserve.protocol.messages import Heartbeat, Register
 from pdserve.router.disagg import NodeLoad, PathChoice, PathPolicy
-from pdserve.router.speed import StepModel
+from pdserve.router.speed import WINDOW, StepModel
 
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
@@ -84,12 +84,15 @@ class NodeInfo:
         free = self.heartbeat.num_free_blocks if self.heartbeat else self.register.num_total_blocks
         return free - self.blocks_since_heartbeat
 
-    def load(self) -> NodeLoad:
-        """What the path policy reads (disagg.py)."""
+    def load(self, fleet: StepModel | None = None) -> NodeLoad:
+        """What the path policy reads (disagg.py): the node's own speed once its steps showed both
+        prefill and decode, else the fleet's (`fleet`: every node's steps pooled), since a prefill
+        node never decodes and a decode node prefills only what it is given."""
         running = self.decode_load
-        last = self.speed.last_decode
+        last = self.speed.last_decode or (fleet.last_decode if fleet is not None else None)
         context = running * last[1] / last[0] if last and last[0] else 0.0
-        return NodeLoad(self.node_id, self.speed, self.prefill_load, running, context)
+        speed = self.speed if self.speed.known or fleet is None else fleet
+        return NodeLoad(self.node_id, speed, self.prefill_load, running, context)
 
     def estimate_blocks(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / (self.register.block_size or DEFAULT_BLOCK_SIZE))
@@ -153,6 +156,9 @@ class Registry:
                  path: PathPolicy | None = None) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.path = path if path is not None else PathPolicy()
+        # Every node's steps pooled: the fleet's speed, known once some node prefilled and some
+        # node decoded (the nodes run the same model; a node's own fit replaces it once known).
+        self.fleet_speed = StepModel(window=4 * WINDOW)
         self.max_queue = max_queue
         self.prefix_affinity = prefix_affinity
         self.affinity_slack_tokens = affinity_slack_tokens  # extra load a node may carry and still win by affinity
@@ -174,6 +180,7 @@ class Registry:
             return False
         node.heartbeat, node.last_seen, node.blocks_since_heartbeat = msg, _now(now), 0
         node.speed.add(msg.step_samples)
+        self.fleet_speed.add(msg.step_samples)
         return True
 
     def keep_requests(self, old: NodeInfo) -> None:
@@ -238,7 +245,8 @@ class Registry:
             prefill = None
         if prefill is not None and not ignore_limits and decode.is_saturated("prefill", self.max_queue):
             return Route(prefill, decode)  # the decode node's own prefill queue is full
-        choice = self.path.choose(len(prompt_token_ids), decode.load(), prefill.load() if prefill else None)
+        fleet = self.fleet_speed
+        choice = self.path.choose(len(prompt_token_ids), decode.load(fleet), prefill.load(fleet) if prefill else None)
         return Route(decode, None, choice) if choice.local else Route(prefill, decode, choice)
 
     def pick_prefill(self, prompt_token_ids: Sequence[int], *, ignore_limits: bool = False,

@@ -12,6 +12,10 @@ a step never gets faster with more work. Until a node has reported MIN_SAMPLES s
 and of decode, `known` is False and the policies that read it (router/disagg.py, router/planner.py)
 treat its speed as unknown.
 
+The registry keeps one per node and one for the fleet (every node's steps pooled): a prefill
+node's steps show only prefill and a decode node's only decode, so until a node has done both,
+the policies read the fleet's fit (the nodes serve the same model, usually on the same hardware).
+
 The same class serves the fleet simulator (benchmarks/fleet_sim.py), which feeds it the
 simulated nodes' steps exactly as heartbeats would.
 """

@@ -229,3 +229,22 @@ def test_the_loop_sends_set_role_and_marks_the_node_until_it_registers_again():
     assert loop.status()["changes"] == [list(c) for c in decision.changes]
     register(reg, node_id, "prefill")  # it registered again with the new role
     assert reg.nodes[node_id].changing_to == "" and reg.nodes[node_id].role == "prefill"
+
+
+def test_a_split_fleet_knows_its_speed_from_both_kinds_of_node_and_auto_uses_it():
+    """A prefill node reports only prefill steps and a decode node only decode steps: neither's
+    own fit is known, the pooled fleet fit is, and auto decides with it."""
+    reg = Registry(path=PathPolicy("auto"))
+    samples = steps(CPU, n=128)
+    register(reg, "p", "prefill", samples=[s for s in samples if s[0] > 0])
+    register(reg, "d", "decode", samples=[[0.0, *s[1:3], CPU[0] + CPU[2] * s[1] + CPU[3] * s[2]] for s in samples
+                                           if s[0] == 0])
+    assert not reg.nodes["p"].speed.known and not reg.nodes["d"].speed.known and reg.fleet_speed.known
+    reg.nodes["p"].outstanding_prompt_tokens["queued"] = 50_000  # a long prefill queue: local pays
+    route = reg.route(list(range(300)), 16)
+    assert route.local and route.path.reason == "cost", route.path
+    reg.nodes["p"].outstanding_prompt_tokens.clear()
+    # an idle prefill node against a decode node with a batch to run beside the chunks: remote
+    reg.heartbeat(Heartbeat("d", 1000, 1000, 8, 0, role="decode"), now=0.0)
+    reg.nodes["d"].request_ids.update(f"r{i}" for i in range(8))
+    assert not reg.route(list(range(300)), 16).local
