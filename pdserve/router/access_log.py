@@ -13,7 +13,7 @@ import logging
 from aiohttp.web import BaseRequest, StreamResponse
 from aiohttp.web_log import AccessLogger
 
-QUIET_PATHS = frozenset({"/health", "/metrics"})  # polled by machines: logged at DEBUG
+QUIET_PATHS = frozenset({"/health", "/metrics", "/planner"})  # polled by machines (pdserve serve polls /planner): logged at DEBUG
 
 
 class RouterAccessLogger(AccessLogger):

@@ -27,7 +27,10 @@ and the other does not), no sooner than `cooldown_s` after its last change, and 
 
 With a scaler (router/scaling.py) it also says how many nodes each pool should have: the fewest
 nodes whose best split scores at most `target_score` (headroom for bursts), between the
-configured bounds; when no size gets there, the fewest within 5% of the largest fleet's score.
+configured bounds; when no size gets there, the fewest within 5% of the largest fleet's score
+(all of them when even the largest cannot keep up). A new size is published only once
+DESIRED_STABLE_TICKS ticks in a row computed it: starting or stopping a node costs far more
+than a tick's noise is worth.
 
 `decide` is a pure function of its inputs plus the planner's memory of its last change, so the
 fleet simulator (benchmarks/fleet_sim.py) runs this exact code against simulated nodes.
@@ -47,6 +50,7 @@ from pdserve.router.speed import StepModel
 ROLES = ("prefill", "decode")
 P90_WAIT = math.log(10)  # an exponential wait's p90 over its mean
 INFEASIBLE = 1e9
+DESIRED_STABLE_TICKS = 3  # ticks in a row a pool size must be computed before it is published
 
 
 @dataclass
@@ -183,6 +187,9 @@ class Planner:
         self.config = config if config is not None else PlannerConfig()
         self.last_change: float | None = None
         self.num_decisions = 0
+        self.desired: dict[str, int] = {}  # the pool sizes published (stable: see the module docstring)
+        self._candidate: dict[str, int] = {}
+        self._candidate_ticks = 0
 
     def splits(self, coef, workload: Workload, num_nodes: int, *, chunk: int = 256,
                max_num_seqs: int = 256) -> list[Prediction]:
@@ -206,7 +213,8 @@ class Planner:
             return Decision(current, reason="no requests in the window")
         max_seqs = min((n.max_num_seqs for n in movable), default=256)
         preds = self.splits(coef, workload, len(movable), chunk=chunk, max_num_seqs=max_seqs)
-        decision = Decision(current, predictions=preds, desired=self._desired(coef, workload, chunk, max_seqs))
+        decision = Decision(current, predictions=preds, desired=self._publish(self._desired(coef, workload, chunk,
+                                                                                            max_seqs)))
         if not preds:
             decision.reason = "too few nodes to split"
             return decision
@@ -232,6 +240,15 @@ class Planner:
         self.num_decisions += 1
         return decision
 
+    def _publish(self, computed: dict[str, int]) -> dict[str, int]:
+        if computed == self._candidate:
+            self._candidate_ticks += 1
+        else:
+            self._candidate, self._candidate_ticks = computed, 1
+        if self._candidate_ticks >= DESIRED_STABLE_TICKS:
+            self.desired = dict(computed)
+        return self.desired
+
     def _desired(self, coef, workload: Workload, chunk: int, max_seqs: int) -> dict[str, int]:
         """The smallest fleet whose best split scores at most target_score; when no size gets
         there (a TPOT floor above the SLO, say), the smallest within 5% of the largest's score."""
@@ -243,7 +260,9 @@ class Planner:
                 best_by_size[n] = min(preds, key=lambda p: p.score)
         if not best_by_size:
             return {}
-        floor = best_by_size[max(best_by_size)].score
-        good_enough = max(cfg.target_score, floor * 1.05)
+        largest = best_by_size[max(best_by_size)]
+        if largest.score >= INFEASIBLE:  # even the largest fleet cannot keep up: all of it
+            return {"prefill": largest.prefill, "decode": largest.decode}
+        good_enough = max(cfg.target_score, largest.score * 1.05)
         best = next(p for p in best_by_size.values() if p.score <= good_enough)
         return {"prefill": best.prefill, "decode": best.decode}

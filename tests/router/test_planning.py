@@ -192,9 +192,16 @@ def test_desired_pool_sizes_grow_with_the_load_and_stop_where_more_nodes_stop_he
     planner = Planner(PlannerConfig(slo_ttft_s=8.0, slo_tpot_s=0.025, max_nodes=64))
     models = [model_of(CPU)]
     nodes = [FleetNode("a", "decode"), FleetNode("b", "decode")]
-    small = planner.decide(0.0, nodes, Workload(0.05, 100, 1000, 10), models, chunk=512).desired
-    big = planner.decide(0.0, nodes, Workload(3.0, 3000, 100, 10), models, chunk=512).desired
-    assert sum(small.values()) <= 4 < sum(big.values()) < 64, (small, big)
+    def settled(workload):
+        return [planner.decide(float(t), nodes, workload, models, chunk=512).desired for t in range(3)]
+
+    small = settled(Workload(0.05, 100, 1000, 10))
+    assert small[0] == small[1] == {} and small[2]  # published once computed 3 ticks in a row
+    big = settled(Workload(3.0, 3000, 100, 10))
+    assert big[0] == big[1] == small[2]  # the old size holds until the new one is stable
+    assert sum(small[2].values()) <= 4 < sum(big[2].values()) < 64, (small, big)
+    flood = settled(Workload(1000.0, 3000, 100, 10))[2]  # beyond any fleet: all of it, not the smallest
+    assert sum(flood.values()) == 64
 
 
 def test_workload_window_forgets_old_traffic():
