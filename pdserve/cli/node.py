@@ -142,7 +142,7 @@ def compose(engine, link, receiver, make_sender, *, role: str, kv_addr: str, max
         return DecodeNode(engine, link, receiver, max_queue_len=max_queue_len, faults=faults, metrics=metrics,
                           requests=requests)
 
-    return RoleSwitcher(build, role, kv_addr=kv_addr, receiver=receiver, timeout_s=timeout_s)
+    return RoleSwitcher(build, role, kv_addr=kv_addr, receiver=receiver, sender=sender.sender, timeout_s=timeout_s)
 
 
 def main(role: str, argv: list[str] | None = None) -> int:

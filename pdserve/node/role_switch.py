@@ -70,13 +70,14 @@ class RoleSwitcher:
     role object around the shared engine, link, request table and metrics; `kv_addr` is what a
     decode node advertises (its receiver's address); `receiver` is the KVReceiver."""
 
-    def __init__(self, build: Callable[[str], object], role: str, *, kv_addr: str, receiver=None,
+    def __init__(self, build: Callable[[str], object], role: str, *, kv_addr: str, receiver=None, sender=None,
                  timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         if role not in SWITCHABLE_ROLES:
             raise ValueError(f"a node changes role between {SWITCHABLE_ROLES}, not {role!r}")
         self._build = build
         self.kv_addr = kv_addr
         self.receiver = receiver
+        self.sender = sender  # the KVSender: polled here while the node serves decode (idle peers closed)
         self.timeout_s = timeout_s
         self._clock = clock
         self.target: str | None = None  # the role it is switching to
@@ -123,6 +124,8 @@ class RoleSwitcher:
         self.node.run_once()
         if self.node.role == "prefill" and self.receiver is not None:
             self._refuse_kv()
+        elif self.node.role == "decode" and self.sender is not None:
+            self.sender.poll(0)  # no lease is held: late peer messages dropped, idle connections closed
         if self.target is not None:
             self._progress()
 

@@ -42,9 +42,9 @@ class Sink:
         self.messages: list = []
 
     def drain(self, wait_ms: int = 0) -> list:
+        """Everything received until the socket stays quiet for `wait_ms`."""
         while self.sock.poll(wait_ms):
             self.messages.append(decode(self.sock.recv_multipart()[1]))
-            wait_ms = 0
         return self.messages
 
     def tokens(self, rid: str) -> list[int]:

@@ -48,7 +48,6 @@ class Stack:
         self.node = compose(self.engine, self.links, self.receiver, lambda release, on_error: KVSender(
             "n0", kv_layout(self.engine, "tiny"), self.engine.runner.kv_buffer, release, on_error=on_error),
             role=role, kv_addr=self.receiver.kv_addr, timeout_s=timeout_s)
-        self.sender = self.node.node.sender if role == "prefill" else None
         de = make_engine(model_dir)
         self.peer_receiver = KVReceiver("d1", kv_layout(de, "tiny"), de.runner.kv_buffer)
         self.peer = DecodeNode(de, RouterLink(self.peer_router.addr, register_message("d1", "decode", de, "tiny")),
@@ -88,10 +87,8 @@ class Stack:
         return [m for m in self.router.received if isinstance(m, Register)]
 
     def close(self) -> None:
-        for closer in (self.node.node.sender if self.node.role == "prefill" else None, self.receiver,
-                       self.peer_receiver, self.links, self.peer.link):
-            if closer is not None:
-                closer.close()
+        for closer in (self.node.sender, self.receiver, self.peer_receiver, self.links, self.peer.link):
+            closer.close()
         self.router.close()
         self.peer_router.close()
 
@@ -281,3 +278,24 @@ def test_draining_calls_a_pending_change_off(tiny_llama):
     finally:
         stack.close()
     assert_no_leak(stack.engine.block_manager)
+
+
+def test_a_step_that_raises_after_a_role_change_still_deregisters(tiny_llama, monkeypatch):
+    from pdserve.node.runtime import serve_node
+
+    stack = Stack(tiny_llama, "prefill")
+    node, router = stack.node, stack.router
+    try:
+        router.send(SetRole("decode"))
+        stack.run(lambda: node.role == "decode")
+
+        def broken():
+            raise RuntimeError("a rank died")
+        monkeypatch.setattr(stack.engine, "step_requests", broken)
+        router.send(PrefillRequest("l1", list(range(5, 30)), GREEDY))
+        with pytest.raises(RuntimeError, match="a rank died"):
+            serve_node(node, node.link, stop_flag=[False])
+        router.recv_all(0.3)
+        assert isinstance([m for m in router.received if isinstance(m, (Register, Deregister))][-1], Deregister)
+    finally:
+        stack.close()
