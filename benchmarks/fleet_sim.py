@@ -210,7 +210,10 @@ def sweep_splits(n: int, points: int) -> list[int]:
 
 def static_sweep(args, model, n, log, trace_fn=None) -> dict:
     rows = []
-    for p in sweep_splits(n, args.sweep_points):
+    splits = args.splits if args.splits else sweep_splits(n, args.sweep_points)
+    if any(not 0 < p < n for p in splits):
+        raise ValueError(f"--splits: prefill node counts must be in [1, {n - 1}], got {splits}")
+    for p in splits:
         log(f"  split {p}P+{n - p}D")
         rows.append(goodput(args, model, (p, n - p), policy="always", planner=False, trace_fn=trace_fn, log=log))
     log(f"  colocated {n}D (policy never)")
@@ -264,14 +267,46 @@ def reconvergence(fleet, period_s: float, num_phases: int, slo_ttft_s, slo_tpot_
 
 
 def run_planner(args, model, n, log) -> dict:
-    res = {"nodes": n, "gpus": n * model.gpus_per_node, "model": model.describe()}
-    log("static splits on the shifting trace:")
-    res["static"] = static_sweep(args, model, n, log)
-    best = res["static"]["best"]
-    start = (best["split"][0], best["split"][1]) if best["policy"] == "always" else (n // 4, n - n // 4)
-    log(f"planner on (policy auto), starting from {start[0]}P+{start[1]}D:")
-    res["planner"] = goodput(args, model, start, policy="auto", planner=True, log=log)
-    # the per-phase oracle: each phase's workload alone through the static sweep, the best split each
+    res = {"nodes": n, "gpus": n * model.gpus_per_node, "model": model.describe(), "parts": args.parts}
+    parts = set(args.parts)
+    best = {"split": [0, n], "policy": "never", "goodput": 0.0}
+    if "static" in parts:
+        log("static splits on the shifting trace:")
+        res["static"] = static_sweep(args, model, n, log)
+        best = res["static"]["best"]
+    if args.planner_start == "colocated":
+        start = (0, n)
+    elif args.planner_start == "best":
+        start = tuple(best["split"])
+    else:
+        start = (int(args.planner_start), n - int(args.planner_start))
+    res["planner_start"] = list(start)
+    if "planner" in parts:
+        log(f"planner on (policy auto), starting from {start[0]}P+{start[1]}D:")
+        res["planner"] = goodput(args, model, start, policy="auto", planner=True, log=log)
+    if "oracle" in parts:
+        res.update(oracle_goodput(args, model, n, log))
+    if "reconverge" in parts:
+        # at the planner's goodput (or --rate when the planner part was not run)
+        rate = (res.get("planner") or {}).get("goodput") or args.rate
+        log(f"re-convergence run at {rate:.4g} req/s from {start[0]}P+{start[1]}D:")
+        out, fleet = simulate(model, make_trace(args, rate), start[0], start[1],
+                              sim_config(args, policy="auto", planner=True), keep=True)
+        res["reconvergence_run"] = {"rate": rate, **out, "decisions": fleet.decisions,
+                                    "role_changes": [list(c) for c in fleet.role_changes],
+                                    "shifts": reconvergence(fleet, args.period_s, len(args.phases),
+                                                            args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
+    pg = (res.get("planner") or {}).get("goodput")
+    og = (res.get("oracle") or {}).get("goodput")
+    res["ratios"] = {"planner_over_best_static": pg / best["goodput"] if pg is not None and best["goodput"] else None,
+                     "planner_over_oracle": pg / og if pg is not None and og else None}
+    return res
+
+
+def oracle_goodput(args, model, n, log) -> dict:
+    """Each phase's workload alone through the static sweep; then the shifting trace's rate at which
+    the phases, each on its own best static config, meet the SLOs for 90% of all requests."""
+    res = {}
     oracle = {}
     for name, lin, lout in args.phases:
         log(f"oracle: phase {name} ({lin} in, {lout} out) alone:")
@@ -297,18 +332,7 @@ def run_planner(args, model, n, log) -> dict:
     sr = search_goodput(oracle_probe, args.search_min_rate, args.search_max_rate, args.search_iters, ATTAINMENT)
     res["oracle"] = {"goodput": sr.goodput, "status": sr.status, "upper": sr.upper,
                      "probes": [[p.rate, p.attainment] for p in sr.probes]}
-    # re-convergence, at the planner's goodput (or the best static's, if the planner's is 0)
-    rate = res["planner"]["goodput"] or best["goodput"] or args.search_min_rate
-    log(f"re-convergence run at {rate:.4g} req/s:")
-    out, fleet = simulate(model, make_trace(args, rate), start[0], start[1],
-                          sim_config(args, policy="auto", planner=True), keep=True)
-    res["reconvergence_run"] = {"rate": rate, **out, "decisions": fleet.decisions,
-                                "role_changes": [list(c) for c in fleet.role_changes],
-                                "shifts": reconvergence(fleet, args.period_s, len(args.phases),
-                                                        args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)}
-    sg = best["goodput"]
-    res["ratios"] = {"planner_over_best_static": res["planner"]["goodput"] / sg if sg else None,
-                     "planner_over_oracle": res["planner"]["goodput"] / sr.goodput if sr.goodput else None}
+    res["oracle_sweeps"] = oracle
     return res
 
 
@@ -343,6 +367,13 @@ def validate(args, model, path) -> dict:
 
 
 # ---- the command line ------------------------------------------------------------------------------
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fleet_sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -393,6 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--search-max-rate", type=float, default=1024.0)
     g.add_argument("--search-iters", type=int, default=5)
     g.add_argument("--sweep-points", type=int, default=7, help="static splits tried (evenly spaced)")
+    g.add_argument("--splits", type=_int_list, default=None, help="static splits tried: prefill node counts, a,b,c")
+    g.add_argument("--parts", type=lambda t: t.split(","), default=["static", "planner", "oracle", "reconverge"],
+                   help="planner: which of static,planner,oracle,reconverge to run")
+    g.add_argument("--planner-start", default="colocated",
+                   help="planner: the split it starts from: colocated, best (the best static), or a prefill count")
     g.add_argument("--out", help="the JSON summary (default: benchmarks/results/fleet_sim/<command>_....json)")
     g.add_argument("--quiet", action="store_true")
     return ap
@@ -415,6 +451,11 @@ def check_args(args) -> None:
         raise ValueError("--workload azure needs --trace FILE.csv")
     if args.command in ("validate", "fit") and not args.file:
         raise ValueError(f"{args.command} needs a FILE argument")
+    bad = set(args.parts) - {"static", "planner", "oracle", "reconverge"}
+    if bad:
+        raise ValueError(f"--parts: unknown {', '.join(sorted(bad))} (static, planner, oracle, reconverge)")
+    if args.planner_start not in ("colocated", "best") and not args.planner_start.isdigit():
+        raise ValueError(f"--planner-start must be colocated, best or a prefill node count, got {args.planner_start!r}")
     if args.policy != "always" and args.command == "static-sweep":
         raise ValueError("static-sweep sets the policy itself (always for splits, never for colocated)")
 
@@ -467,15 +508,18 @@ def main(argv=None) -> int:
             ap.error("planner compares on the shifting trace: pass --workload shifting")
         r = run_planner(args, model, n, log)
         result.update(r)
-        rows = list(r["static"]["rows"]) + [r["planner"]]
+        rows = list((r.get("static") or {}).get("rows", [])) + ([r["planner"]] if "planner" in r else [])
         print(table(rows))
-        print(f"\noracle (best static split per phase, combined): {r['oracle']['goodput']:.3g} req/s; "
-              f"per phase: {json.dumps(r['oracle_phases'])}")
+        if "oracle" in r:
+            for name, sw in r["oracle_sweeps"].items():
+                print(f"\nphase {name} alone:\n" + table(sw["rows"]))
+            print(f"\noracle (best static split per phase, combined): {r['oracle']['goodput']:.3g} req/s; "
+                  f"per phase: {json.dumps(r['oracle_phases'])}")
         print(f"planner / best static = {r['ratios']['planner_over_best_static']}; "
               f"planner / oracle = {r['ratios']['planner_over_oracle']}")
         print("\n| shift at (s) | phase | role changes | split settled after (s) | p90s meet SLOs after (s) |")
         print("|---|---|---|---|---|")
-        for s in r["reconvergence_run"]["shifts"]:
+        for s in (r.get("reconvergence_run") or {}).get("shifts", []):
             met = "never" if s["slos_met_after_s"] is None else f"{s['slos_met_after_s']:.0f}"
             print(f"| {s['shift_at_s']:.0f} | {s['phase']} | {s['role_changes']} | {s['split_settled_after_s']:.0f} | "
                   f"{met} |")

@@ -156,3 +156,14 @@ def test_goodput_search_and_validate(tmp_path):
     f.write_text(json.dumps(measured))
     rows = fleet_sim.validate(args, model, f)["runs"]
     assert math.isfinite(rows[0]["ttft_p50"]["rel_err"])
+
+
+def test_azure_replay_through_bench_traces(tmp_path):
+    from pdserve.bench.traces import write_azure_trace
+
+    src = tmp_path / "trace.csv"
+    write_azure_trace(src, [TraceRequest(i * 0.5, 100 + i, 5) for i in range(10)])  # 2 req/s native
+    args = fleet_sim.build_parser().parse_args(["run", "--workload", "azure", "--trace", str(src)])
+    trace = fleet_sim.make_trace(args, 4.0)  # replayed twice as fast
+    assert len(trace) == 10 and trace[-1].arrival_s == pytest.approx(10 / 4.0, rel=1e-3)  # n / span = the rate
+    _assert_conserved(run(trace, 1, 1, policy="always"))
