@@ -66,20 +66,21 @@ class LocalRequests:
 
     # ---- one engine step --------------------------------------------------------------------
     def sort_step(self, stepped: list[Request]) -> tuple[list[Token], list[str], dict[str, list[Request]]]:
-        """A step's requests: the tokens of those decoding (COLOCATED here, or a decode node's
-        DECODING), which of them finished, and the first tokens just sampled, by request id (its
-        n > 1 choices together under it)."""
+        """A step's requests: the first tokens just sampled (a PREFILLING request's, or its n > 1
+        choices', together under its id), and the tokens of every other (decoding: COLOCATED here,
+        or a decode node's DECODING) with those that finished."""
         tokens: list[Token] = []
         finished: list[str] = []
         first_tokens: dict[str, list[Request]] = {}
+        stage = self.requests.stage
         for request in stepped:
-            rid = request.request_id
-            if self.requests.stage(rid) in (Stage.COLOCATED, Stage.DECODING):
-                tokens.extend(token_events(request))  # several a step when speculating
-                if request.is_finished:
-                    finished.append(rid)
+            rid, parent = request.request_id, request.parent_id
+            if stage(rid) is Stage.PREFILLING or (parent is not None and stage(parent) is Stage.PREFILLING):
+                first_tokens.setdefault(parent or rid, []).append(request)
                 continue
-            first_tokens.setdefault(request.parent_id or rid, []).append(request)
+            tokens.extend(token_events(request))  # several a step when speculating
+            if request.is_finished:
+                finished.append(rid)
         return tokens, finished, first_tokens
 
     def send_first_tokens(self, rid: str, requests: list[Request]) -> tuple[list[tuple[int, dict | None]], bool]:
