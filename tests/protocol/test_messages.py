@@ -21,9 +21,11 @@ EXAMPLES = [
     m.Register(node_id="p0", role="prefill", model="tiny", kv_addr="", metrics_url="http://127.0.0.1:1",
                num_total_blocks=64, block_size=16, max_model_len=1024, host_id="h", pid=7),
     m.Heartbeat(node_id="d0", num_free_blocks=10, num_total_blocks=64, num_running=2, num_waiting=1,
-                num_outstanding_tokens=300, ready=True, request_ids=["a", "b"]),
+                num_outstanding_tokens=300, ready=True, request_ids=["a", "b"], role="decode",
+                step_samples=[[128.0, 2.0, 300.0, 0.02], [0.0, 3.0, 420.0, 0.01]]),
     m.Deregister(node_id="p0"),
     m.Reregister(reason="unknown node"),
+    m.SetRole(role="decode", reason="planner: best 0P+2D"),
     m.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 5, "stop": ["x"]},
                      decode_node_id="d0", decode_kv_addr="tcp://127.0.0.1:5", priority=1, arrival_time=1.5),
     m.FirstToken(request_id="r1", token_id=9, logprobs={9: -0.5}, finish_reason="length", num_prompt_tokens=3,
@@ -42,6 +44,13 @@ EXAMPLES = [
     m.LeaseRenew(request_id="r1"),
     m.KVDone(request_id="r1", ok=True),
 ]
+
+
+def test_heartbeat_step_samples_are_bounded_rows_of_four():
+    for bad in ([[1.0, 2.0]], [[0.0, 1.0, 1.0, 0.1]] * (m.MAX_STEP_SAMPLES + 1)):
+        wire = m.Heartbeat("d0", 1, 1, 0, 0, step_samples=bad).encode()
+        with pytest.raises(m.MessageError, match="step_samples"):
+            m.decode(wire)
 
 
 def test_every_message_type_has_an_example():
