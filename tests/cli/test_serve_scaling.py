@@ -42,7 +42,21 @@ def test_planner_flags_reach_the_router():
     assert not r.planner and r.planner_scaler == "none"
 
 
+def test_disagg_policy_reaches_the_router_and_zero_prefill_nodes_need_it():
+    parser = build_parser()
+    args = parser.parse_args(["--model", "some/dir", "--disagg-policy", "never", "--num-prefill", "0",
+                              "--num-decode", "2"])
+    commands = dict(plan(args, parser, "x"))
+    assert router_args(commands).disagg_policy == "never"
+    assert sorted(commands) == ["decode-0", "decode-1", "router"]
+    plain = dict(plan(parser.parse_args(["--model", "some/dir"]), parser, "x"))
+    assert router_args(plain).disagg_policy == "always" and "--disagg-policy" not in plain["router"]
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--num-prefill", "0"], "need --disagg-policy never or auto"),
+    (["--num-decode", "0"], "at least 1 decode node"),
+    (["--num-prefill", "-1"], "at least 1 decode node"),
     (["--planner", "--colocated"], "not with --colocated"),
     (["--max-nodes", "4"], "only with --planner"),
     (["--slo-ttft-ms", "100"], "only with --planner"),
