@@ -4,6 +4,8 @@ decode-only fleets under --disagg-policy never."""
 
 from __future__ import annotations
 
+import asyncio
+
 from pdserve.router.disagg import PathPolicy
 from pdserve.router.planner import Planner, PlannerConfig
 from tests.router.conftest import run, serving, split_pair, wait_until
@@ -86,5 +88,39 @@ def test_planner_endpoint_needs_the_planner_and_shows_its_decision(tokenizer):
             body = await (await h.client.get("/planner")).json()
             assert body["split"] == [1, 1] and "speed" in body["reason"]  # no node reported steps: it holds
             assert value(await scrape(h), "pdserve_planner_decisions_total", action="hold") >= 1
+
+    run(scenario())
+
+
+def test_a_local_stream_whose_node_dies_continues_exactly_on_another_path(tokenizer):
+    """Prefilled and decoded on d0 (policy never), d0 dies mid-stream: the continuation (prompt +
+    tokens streamed) goes to the surviving node, locally again, and the text is the undisturbed one."""
+    async def scenario():
+        shared: dict = {}
+        d0 = FakeNode("d0", "decode", cluster=shared, token_delay_s=0.02)
+        d1 = FakeNode("d1", "decode", cluster=shared, token_delay_s=0.02)
+        body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+        async with serving(tokenizer, d0, d1, path=PathPolicy("never"), heartbeat_timeout_s=0.3) as h:
+            status, expected = await h.post("/v1/completions", body)
+            assert status == 200
+            victim = {}
+
+            async def kill_when_streaming():
+                await wait_until(lambda: d0.tasks or d1.tasks, what="decoding")
+                await asyncio.sleep(0.2)
+                node = d0 if d0.tasks else d1
+                node.heartbeating = False  # dead to the router
+                victim["node"] = node
+
+            killer = asyncio.create_task(kill_when_streaming())
+            events = await h.stream("/v1/completions", body)
+            await killer
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+            text = "".join(e["choices"][0]["text"] for e in events if isinstance(e, dict) and e.get("choices"))
+            assert text == expected["choices"][0]["text"]
+            survivor = d1 if victim["node"] is d0 else d0
+            retried = [p for p in survivor.prefills if "~1" in p.request_id]
+            assert len(retried) == 1 and retried[0].decode_node_id == ""  # local again, on the survivor
+            assert retried[0].num_prior_output_tokens > 0
 
     run(scenario())
