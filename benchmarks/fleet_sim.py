@@ -127,6 +127,7 @@ def summarize(fleet, trace_len: int, slo_ttft_s: float, slo_tpot_s: float, wall_
         "phase_attainment": {k: v[0] / v[1] for k, v in phases.items()},
         "local_prefills": sum(r.local for r in reqs), "retries": sum(r.retries for r in reqs),
         "role_changes": len(fleet.role_changes), "planner_ticks": len(fleet.decisions),
+        "path_reasons": dict(fleet.path_reasons),
         "final_split": [sum(n.role == "prefill" for n in nodes), sum(n.role == "decode" for n in nodes)],
         "sim_time_s": fleet.env.now, "steps": sum(n.num_steps for n in nodes), "wall_s": wall_s,
     }

@@ -294,6 +294,7 @@ class Fleet:
         self.decisions: list[dict] = []
         self.role_changes: list[tuple[float, str, str, str]] = []
         self.num_routes = 0
+        self.path_reasons: dict[str, int] = {}  # the path policy's reasons (disagg.py), counted
         self.stopped_early = False
         self._all_done = self.env.event()
 
@@ -355,6 +356,8 @@ class Fleet:
             self.env.process(self._retry(req))
             return
         self.num_routes += 1
+        reason = route.path.reason if route.path is not None else "split"
+        self.path_reasons[reason] = self.path_reasons.get(reason, 0) + 1
         prefill = self.nodes[route.prefill.node_id]
         decode = self.nodes[route.decode.node_id] if route.decode is not None else prefill
         if prefill.changing_to or decode.changing_to:  # the node refuses it (switching): the router re-dispatches
