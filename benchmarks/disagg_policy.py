@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.engine.model_config import ModelConfig
 
     dtype = resolve_dtype(args.dtype)
-    vocab = ModelConfig.from_pretrained(resolve_model(args.model)).vocab_size
+    from pdserve.bench.datasets import load_tokenizer, vocab_size_of
+
+    path = resolve_model(args.model)  # random ids the router accepts: the model's and the tokenizer's
+    model_vocab = ModelConfig.from_pretrained(path).vocab_size
+    vocab = min(model_vocab, vocab_size_of(load_tokenizer(str(path)), model_vocab))
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {s: {w: [] for w in workloads} for s in systems}
     for r in range(args.rounds):
