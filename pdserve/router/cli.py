@@ -135,7 +135,8 @@ def planning(args: argparse.Namespace):
 
     slo_tpot_s = args.slo_tpot_ms / 1e3
     path = PathPolicy(args.disagg_policy, args.local_prefill_max_tokens,
-                      slo_tpot_s=slo_tpot_s if args.planner else None)
+                      slo_tpot_s=slo_tpot_s if args.planner else None,
+                      slo_ttft_s=args.slo_ttft_ms / 1e3 if args.planner else None)
     if not args.planner or (args.api_server_index or 0) != 0:
         return path, None, None
     config = PlannerConfig(slo_ttft_s=args.slo_ttft_ms / 1e3, slo_tpot_s=slo_tpot_s,

@@ -22,8 +22,11 @@ each node's step time fitted online from its heartbeats (router/speed.py):
                   running requests' TPOT pays it
 
 Local wins when its TTFT is lower than remote TTFT plus the handoff (both must include the
-queue the request joins), and, when a TPOT SLO is set (`--slo-tpot-ms`), the step time of D with
-a chunk in it stays within the SLO. A node whose speed is not yet known (fewer steps seen than
+queue the request joins), and, when a TPOT SLO is set (`--slo-tpot-ms` with `--planner`), the
+running requests' TPOT with the prompt's chunks in D's steps (each chunk step slower by the
+chunk's cost, spread over a request's expected output tokens) stays within it. Past that the
+request goes remote, unless remote would miss the TTFT SLO for sure while local meets it
+("ttft_slo": a request whose first token is late misses the SLOs anyway). A node whose speed is not yet known (fewer steps seen than
 speed.MIN_SAMPLES) is never chosen for a local prefill by auto: the classic split is the safe
 default until there is data. With no ready prefill node at all, a request is prefilled on its
 decode node whatever the policy but `always`, which answers 503 as before.
@@ -56,7 +59,8 @@ class NodeLoad:
 @dataclass(frozen=True)
 class PathChoice:
     local: bool
-    reason: str  # for the log and the metrics' label: "policy", "length", "cost", "no_prefill_node", "unknown_speed"
+    reason: str  # for the log and the metrics' label: "policy", "length", "cost", "tpot_slo", "ttft_slo",
+    # "no_prefill_node", "unknown_speed"
     remote_ttft_s: float | None = None
     local_ttft_s: float | None = None
 
@@ -66,7 +70,9 @@ class PathPolicy:
     policy: str = "always"
     local_prefill_max_tokens: int | None = None
     slo_tpot_s: float | None = None
+    slo_ttft_s: float | None = None
     handoff_s_per_token: float = DEFAULT_HANDOFF_S_PER_TOKEN
+    expected_output_tokens: float = 128.0  # a request's output, for the TPOT cost; the planner keeps it current
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -92,9 +98,17 @@ class PathPolicy:
         local = d.prefill_s(decode.outstanding_prompt_tokens + prompt_tokens, decode_seqs=decode.running,
                             context_tokens=decode.context_tokens)
         if self.slo_tpot_s is not None and decode.running > 0:
-            mixed_step = d.step_s(min(prompt_tokens, d.chunk), decode.running, decode.context_tokens)
-            if mixed_step > self.slo_tpot_s:
+            # The running requests' TPOT with this prompt's chunks in D's steps: each chunk step is
+            # slower by (mixed - base), spread over a request's output tokens.
+            base = d.decode_step_s(decode.running, decode.context_tokens)
+            mixed = d.step_s(min(prompt_tokens, d.chunk), decode.running, decode.context_tokens)
+            chunks = -(-(decode.outstanding_prompt_tokens + prompt_tokens) // max(1, d.chunk))
+            tpot = base + chunks * (mixed - base) / max(1.0, self.expected_output_tokens)
+            rescue = (self.slo_ttft_s is not None and remote > self.slo_ttft_s >= local)
+            if tpot > self.slo_tpot_s and not rescue:
                 return PathChoice(False, "tpot_slo", remote, local)
+            if tpot > self.slo_tpot_s:  # remote would miss its TTFT target for sure: local may not
+                return PathChoice(True, "ttft_slo", remote, local)
         return PathChoice(local < remote + handoff, "cost", remote, local)
 
     def observe_handoff(self, prompt_tokens: int, seconds: float) -> None:

@@ -22,8 +22,9 @@ and the mean TPOT from the fleet's fitted step time
 A split's score is max(TTFT p90 / SLO_ttft, TPOT / SLO_tpot): at most 1 meets both SLOs, lower
 is more headroom. The planner wants the split with the lowest score. It acts only when that
 split's score is lower than the current one's by `hysteresis` (or the current one misses an SLO
-and the other does not), no sooner than `cooldown_s` after its last change, and moves at most
-`max_changes` nodes per interval (a fraction of a large fleet), so noise does not flap roles.
+and the other does not), no sooner than `cooldown_s` after its last change. It moves all the way
+when the current split misses the SLOs and the best meets them; otherwise half the way (at least
+`max_change_fraction` of the fleet, at least one node), so a noisy estimate moves it less.
 
 With a scaler (router/scaling.py) it also says how many nodes each pool should have: the fewest
 nodes whose best split scores at most `target_score` (headroom for bursts), between the
@@ -230,8 +231,12 @@ class Planner:
         if self.last_change is not None and now - self.last_change < cfg.cooldown_s:
             decision.reason += "; cooling down"
             return decision
-        step = max(1, int(cfg.max_change_fraction * len(movable)))
-        delta = max(-step, min(step, best.prefill - num_p))
+        full = best.prefill - num_p
+        if now_score > 1 >= best.score:  # missing the SLOs now, and the best split would not: all the way
+            step = abs(full)
+        else:  # half the way (at least max_change_fraction of the fleet): a noisy estimate moves less
+            step = max(1, int(cfg.max_change_fraction * len(movable)), math.ceil(abs(full) / 2))
+        delta = max(-step, min(step, full))
         src, dst = ("decode", "prefill") if delta > 0 else ("prefill", "decode")
         victims = sorted((n for n in movable if n.role == src), key=lambda n: (n.load, n.node_id))[:abs(delta)]
         decision.split = (num_p + delta, current[1] - delta)

@@ -60,7 +60,10 @@ class PlannerLoop:
         nodes = self.fleet()
         fleet = self.registry.fleet_speed  # every node's steps pooled: a prefill node never decodes
         chunk = max((n.speed.chunk for n in self.registry.nodes.values()), default=fleet.chunk)
-        decision = self.planner.decide(now, nodes, self.workload.snapshot(now), [fleet], chunk=chunk)
+        workload = self.workload.snapshot(now)
+        if workload.num_requests:  # the path policy's TPOT cost spreads a chunk over this many tokens
+            self.registry.path.expected_output_tokens = workload.output_tokens
+        decision = self.planner.decide(now, nodes, workload, [fleet], chunk=chunk)
         self.last, self.last_at = decision, time.time()
         for node_id, role in decision.changes:
             node = self.registry.nodes.get(node_id)

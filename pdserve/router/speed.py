@@ -6,10 +6,11 @@ those sequences, and the step's wall seconds. `StepModel` fits
 
     seconds = c0 + c1 * prefill_tokens + c2 * decode_seqs + c3 * context_tokens
 
-by least squares over the last WINDOW steps (a small ridge term keeps it defined while the
-steps seen are all of one kind, with the prior as its centre). Every coefficient is kept >= 0:
-a step never gets faster with more work. Until a node has reported MIN_SAMPLES steps of prefill
-and of decode, `known` is False and the policies that read it (router/disagg.py, router/planner.py)
+by least squares over the last WINDOW steps with prefill and the last WINDOW decode-only steps,
+kept apart so that a run of one kind never flushes the other (a small ridge term keeps the fit
+defined while the steps seen are all of one kind, with the prior as its centre). Every coefficient is kept >= 0:
+a step never gets faster with more work. Until a node has reported MIN_SAMPLES steps with
+prefill and MIN_SAMPLES that decoded (alone or beside a chunk), `known` is False and the policies that read it (router/disagg.py, router/planner.py)
 treat its speed as unknown.
 
 The registry keeps one per node and one for the fleet (every node's steps pooled): a prefill
@@ -35,16 +36,20 @@ RIDGE = 1e-5  # pulls each coefficient towards the prior, relative to the featur
 # 0.2 ms a sequence, 20 ns a context token). Only its order of magnitude matters: `known` gates it.
 PRIOR = (2e-3, 1e-4, 2e-4, 2e-8)
 DEFAULT_CHUNK = 256  # prefill tokens a step takes, until a node's steps show its budget
+REFIT_EVERY = 16  # new steps before the fit is redone
 
 
 class StepModel:
     def __init__(self, prior: Sequence[float] = PRIOR, window: int = WINDOW) -> None:
         self.prior = np.asarray(prior, dtype=np.float64)
         self.coef = self.prior.copy()
-        self._samples: collections.deque[tuple[float, float, float, float]] = collections.deque(maxlen=window)
-        self._num_prefill = 0  # in the window
-        self._num_decode = 0
-        self._dirty = False
+        # Two windows, so that one kind of step never pushes the other out (a fleet's pooled
+        # samples come in runs of one node's kind): steps with prefill, and decode-only steps.
+        self._prefill_steps: collections.deque[tuple[float, float, float, float]] = collections.deque(maxlen=window)
+        self._decode_steps: collections.deque[tuple[float, float, float, float]] = collections.deque(maxlen=window)
+        self._num_mixed = 0  # steps in the prefill window that also decoded: decode evidence too
+        self._new = 0  # samples since the last fit
+        self._fitted = False
         self.last_decode: tuple[float, float] | None = None  # (sequences, context tokens) of the newest decode step
         self.max_chunk = 0  # the most prefill tokens one step took: the node's chunk budget, as seen
 
@@ -54,41 +59,47 @@ class StepModel:
             prefill, seqs, ctx, secs = (float(x) for x in s)
             if not all(math.isfinite(v) and v >= 0 for v in (prefill, seqs, ctx, secs)) or secs <= 0:
                 continue  # a garbled sample says nothing
-            if len(self._samples) == self._samples.maxlen:
-                self._count(self._samples[0], -1)
             row = (prefill, seqs, ctx, secs)
-            self._samples.append(row)
-            self._count(row, +1)
+            if prefill > 0:
+                window = self._prefill_steps
+                if len(window) == window.maxlen and window[0][1] > 0:
+                    self._num_mixed -= 1
+                window.append(row)
+                self._num_mixed += seqs > 0
+            elif seqs > 0:
+                self._decode_steps.append(row)
+            else:
+                continue  # an empty step
             if seqs > 0:
                 self.last_decode = (seqs, ctx)
             self.max_chunk = max(self.max_chunk, int(prefill))
-            self._dirty = True
-
-    def _count(self, row: tuple[float, float, float, float], sign: int) -> None:
-        if row[0] > 0:
-            self._num_prefill += sign
-        elif row[1] > 0:
-            self._num_decode += sign
+            self._new += 1
 
     @property
     def num_samples(self) -> int:
-        return len(self._samples)
+        return len(self._prefill_steps) + len(self._decode_steps)
 
     @property
     def known(self) -> bool:
-        return self._num_prefill >= MIN_SAMPLES and self._num_decode >= MIN_SAMPLES
+        """Enough steps with prefill, and enough that decoded (alone, or beside a prefill chunk,
+        as a colocated node's steps do), to trust the fit."""
+        return (len(self._prefill_steps) >= MIN_SAMPLES
+                and len(self._decode_steps) + self._num_mixed >= MIN_SAMPLES)
 
     # ---- the fit --------------------------------------------------------------------------
     def coefficients(self) -> np.ndarray:
-        if self._dirty:
+        """The fit, redone once REFIT_EVERY new steps arrived (a fleet's router reads it for every
+        request; the coefficients move slowly)."""
+        if self._new >= REFIT_EVERY or (self._new and not self._fitted):
             self._fit()
         return self.coef
 
     def _fit(self) -> None:
-        self._dirty = False
-        if len(self._samples) < 4:
+        self._new = 0
+        if self.num_samples < 4:
             return
-        data = np.asarray(self._samples, dtype=np.float64)
+        self._fitted = True
+        data = np.asarray([*self._prefill_steps, *self._decode_steps], dtype=np.float64)
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
         y = data[:, 3]
         # Scale columns so the ridge weighs each feature alike; centre the ridge on the prior.
