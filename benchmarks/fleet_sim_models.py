@@ -29,6 +29,7 @@ roofline   per GPU (TP shards weights, KV and FLOPs evenly over `tp` GPUs):
 
 from __future__ import annotations
 
+import abc
 import json
 import math
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ SHAPES = {
 
 
 @dataclass
-class NodeModel:
+class NodeModel(abc.ABC):
     """What a simulated node needs: its step time, KV size and capacity."""
 
     name: str
@@ -63,8 +64,9 @@ class NodeModel:
     gpus_per_node: int = 1
     block_size: int = BLOCK_SIZE
 
-    def step_time(self, prefill_tokens, decode_seqs, context_tokens):  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def step_time(self, prefill_tokens, decode_seqs, context_tokens):
+        """Seconds of one engine step with these prefill tokens, decode sequences and context."""
 
     def describe(self) -> dict:
         return {"name": self.name, "kv_bytes_per_token": self.kv_bytes_per_token, "num_blocks": self.num_blocks,

@@ -22,6 +22,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import FINISHED, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.step_timings import StepTimings
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         self.runner = ModelRunner(config, self.model_config, self._model_len_limit())
         self.timings: StepTimings = self.runner.timings  # the last step's phases (engine/step_timings.py)
+        self.last_output: SchedulerOutput | None = None  # the last step's schedule (step_requests)
         try:
             num_blocks, num_host_blocks = self._start_pools(kv_allocator)
         except BaseException:
@@ -237,6 +239,7 @@ class LLMEngine:
         end = perf_counter()
         timings.output = end - executed
         timings.total = end - start
+        self.last_output = out  # what the step ran (the nodes' step samples read it)
         return out.stepped
 
     def _fork_detokenizers(self, parent_id: str, children: list[Request]) -> None:

@@ -2,18 +2,16 @@
 `[prefill tokens, decode sequences, context tokens of those sequences, wall seconds]`, from
 which the router's planner fits the node's speed.
 
-`StepSamples.step(engine)` runs one `engine.step_requests()` and records its row, read from the
-engine's own state without changing it:
+`StepSamples.step(engine)` runs one `engine.step_requests()` and records its row, read from
+what the engine kept of the step (`engine.last_output`, `engine.timings`) without changing it:
 
     prefill tokens      prompt positions the step computed (the scheduler's
                         `num_prompt_tokens_computed` before and after: prefix-cache hits are not
                         computed, so not counted)
-    decode sequences    requests the step gave a token that already had one (a decode, not a
-                        prompt's first token; a decode node's remote-KV request has the prefill
-                        node's first token)
-    context tokens      for each of those, the tokens its step attended to (its tokens before the
-                        step's new ones)
-    seconds             the step's wall time
+    decode sequences    requests the step decoded: its chunk starts past the prompt (a decode
+                        step's columns, or the chunks of a mixed step)
+    context tokens      for each of those, the tokens its step attended to (computed + new)
+    seconds             the step's wall time (`engine.timings.total`, measured by the engine)
 
 The node loop records; each router's heartbeat thread takes the rows recorded since its own last
 heartbeat (`since`), newest last, at most MAX_STEP_SAMPLES, so every router sees the same window.
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import deque
 
 from pdserve.protocol.messages import MAX_STEP_SAMPLES
@@ -38,15 +35,20 @@ class StepSamples:
         self.num_recorded = 0
 
     def step(self, engine) -> list:
-        """One engine step (`engine.step_requests()`), its row recorded; returns its requests."""
+        """One engine step (`engine.step_requests()`), its row recorded; returns its requests.
+        The row comes from what the engine already kept of the step (its schedule and timings):
+        a decode step's columns are summed at once, so a batch of 256 costs no per-request loop."""
         sched = engine.scheduler
         prompt_before = sched.num_prompt_tokens_computed
-        start = time.perf_counter()
         stepped = engine.step_requests()
-        seconds = time.perf_counter() - start
-        decodes = [r for r in stepped if r.num_output_tokens > max(1, r.num_new_output_tokens)]
-        context = sum(r.num_tokens - max(1, r.num_new_output_tokens) for r in decodes)
-        self.record(sched.num_prompt_tokens_computed - prompt_before, len(decodes), context, seconds)
+        out = engine.last_output
+        if out.decode is not None:  # the whole batch decoding one token each: columns
+            positions = out.decode.positions
+            seqs, context = len(positions), int(positions.sum()) + len(positions)
+        else:  # chunks: the decoding ones are those past their prompt
+            decodes = [s for s in out.items if s.num_computed_tokens >= s.request.num_prompt_tokens]
+            seqs, context = len(decodes), sum(s.num_computed_tokens + s.num_new_tokens for s in decodes)
+        self.record(sched.num_prompt_tokens_computed - prompt_before, seqs, context, engine.timings.total)
         return stepped
 
     def record(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, seconds: float) -> None:
