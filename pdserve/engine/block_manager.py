@@ -10,6 +10,10 @@ request whose leading blocks hash to cached keys shares those physical blocks (r
 and skips their prefill. A block whose refcount drops to 0 keeps its key and its KV: it sits in
 an LRU list and is evicted (key dropped) only when the free list runs dry.
 
+Events. With `events` set (a KVEventLog, engine/kv_events.py), every key entering the cache
+(`cache_full_blocks`) and leaving it (eviction in `_pop_free`) is recorded: the node publishes
+them to its routers as KVEvents, and each router keeps an exact index (router/kv_index.py).
+
 Forks (parallel sampling, n > 1). `fork` gives a new table the same blocks as an existing one
 (refcounts +1): the choices of one request hold the prompt's KV once. A shared block is never
 written in place: `copy_on_write` first gives the writer a private copy of every shared block its
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+
+from pdserve.engine.kv_events import KVEventLog
 
 
 class BlockManager:
@@ -59,6 +65,8 @@ class BlockManager:
         self.host_tables: dict[str, list[int]] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of which were found
+        # Keys entering and leaving the cache, for the node's KVEvents (None: nobody listens).
+        self.events: KVEventLog | None = None
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -111,6 +119,12 @@ class BlockManager:
                 # Same content computed twice concurrently: the first copy stays the cached one.
                 self.block_keys[block_id] = parent
                 self.cached[parent] = block_id
+                if self.events is not None:
+                    self.events.stored(parent)
+
+    def cached_keys(self) -> list[int]:
+        """Every key the cache holds now (a KVEvents snapshot)."""
+        return list(self.cached)
 
     # ---- allocate / free ----------------------------------------------------------------
     def can_allocate(
@@ -230,8 +244,11 @@ class BlockManager:
             block_id = self.free_ids.popleft()
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently used
-            del self.cached[self.block_keys[block_id]]
+            key = self.block_keys[block_id]
+            del self.cached[key]
             self.block_keys[block_id] = None
+            if self.events is not None:
+                self.events.removed(key)
         self.ref_counts[block_id] = 1
         return block_id
 

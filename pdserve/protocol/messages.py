@@ -11,6 +11,7 @@ Who sends what (R = router, P = prefill node, D = decode node):
     R → P,D   PrefillRequest (a decode node takes one with no decode node named: it prefills locally)
     R → P,D   Abort, Reregister, SetRole
     P,D → R   FirstToken, TokenBatch, Error
+    P,D → R   KVEvents (prefix-cache blocks stored and removed)     R → P,D   KVResync
     P → D     Handshake, KVReady, KVData     D → P     HandshakeAck, KVPull, LeaseRenew, KVDone
 """
 
@@ -31,6 +32,8 @@ MAX_MESSAGE_BYTES = 16 << 20  # a control message; KV payload frames are bounded
 MAX_TOKENS_PER_MESSAGE = 1 << 20
 MAX_RANKS = 1024  # tensor-parallel ranks a KV layout or pull may name
 MAX_STEP_SAMPLES = 64  # engine step samples one heartbeat may carry
+MAX_KV_EVENTS = 1 << 20  # block keys one KVEvents may carry (a snapshot of a large pool is split)
+KV_TIERS = ("memory", "disk")
 
 
 class MessageError(ValueError):
@@ -112,6 +115,43 @@ class Reregister(Message):
     forgotten; the next heartbeat's request_ids tell it what to abort."""
 
     TYPE: ClassVar[str] = "reregister"
+    reason: str = ""
+
+
+# ---- KV events: what each node's prefix cache holds (router/kv_index.py) -------------------
+@dataclass
+class KVEvents(Message):
+    """Prefix-cache blocks a node's `tier` now holds (`stored`) and no longer holds (`removed`),
+    by their chained block keys (engine/block_manager.py), since its previous KVEvents to this
+    router. The two lists are disjoint (the node sends each key's last state), so applying them
+    in either order is exact. `reset`: a snapshot, `stored` is the whole tier (after a Register,
+    or when the router asked with KVResync). `seq` counts the node's events; `prev_seq` is the
+    `seq` of the previous KVEvents this router got, so a gap is seen and a snapshot asked for."""
+
+    TYPE: ClassVar[str] = "kv_events"
+    node_id: str
+    seq: int
+    prev_seq: int
+    tier: str = "memory"  # "memory" (the KV pool), "disk" (the node's offload tier)
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    reset: bool = False
+    block_size: int = 0
+    sent_at: float = 0.0  # the node's time.time() when sent: the router measures staleness
+
+    def wire_error(self) -> str | None:
+        if self.tier not in KV_TIERS:
+            return f"tier must be one of {', '.join(KV_TIERS)}"
+        if len(self.stored) + len(self.removed) > MAX_KV_EVENTS:
+            return f"at most {MAX_KV_EVENTS} block keys per message"
+        return None
+
+
+@dataclass
+class KVResync(Message):
+    """The router lost track of the node's cache (a gap in KVEvents): send snapshots."""
+
+    TYPE: ClassVar[str] = "kv_resync"
     reason: str = ""
 
 
@@ -332,7 +372,7 @@ class KVDone(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, Heartbeat, Deregister, Reregister, SetRole, PrefillRequest, FirstToken, TokenBatch, Abort, Error,
+    for cls in (Register, Heartbeat, Deregister, Reregister, SetRole, KVEvents, KVResync, PrefillRequest, FirstToken, TokenBatch, Abort, Error,
                 KVRank, KVLayout, Handshake, HandshakeAck, KVReady, KVPull, KVData, LeaseRenew, KVDone)
 }
 
