@@ -14,6 +14,18 @@ chaos, traces, goodput_search); this module parses flags and runs one benchmark 
         --request-rate 2 --goodput ttft:2000 tpot:200
     pdserve bench serve --random-input-len 128 --random-output-len 32 --num-prompts 50 \
         --goodput ttft:1000 tpot:100 --goodput-search --search-min-rate 0.5 --search-max-rate 16
+
+Prefix-cache workloads (their summary adds the prefix hit rate, the oracle's, recomputed tokens and
+KV bytes received per request; pdserve/bench/prefix_metrics.py):
+
+    # multi-turn: 32 conversations of 4 turns, 8 in flight, 2 s between a reply and the next turn;
+    # turn k+1's prompt = turn k's prompt + its reply + ~60 new tokens (conversations.py)
+    pdserve bench serve --dataset-name conversation --num-conversations 32 --conversation-turns 4 \
+        --conversation-history-tokens 900 --conversation-new-tokens 60 --random-output-len 64 \
+        --think-time 2 --max-concurrency 8
+    # agents: 500 requests over 4 shared system prompts of 1024 tokens + 128-token user suffixes
+    pdserve bench serve --dataset-name system-prompt --num-prompts 500 --num-system-prompts 4 \
+        --system-prompt-len 1024 --random-input-len 128 --random-output-len 32 --request-rate 8
 """
 
 from __future__ import annotations
@@ -32,7 +44,9 @@ from pdserve.bench.arrivals import parse_rate
 from pdserve.bench.by_length import by_length_table
 from pdserve.bench.by_phase import by_phase, phase_table
 from pdserve.bench.chaos import ChaosConfig, chaos_report
+from pdserve.bench.chaos import base_url_of
 from pdserve.bench.client import EndpointConfig, auth_headers
+from pdserve.bench.conversations import ConversationSpec, conversation_specs, run_conversations
 from pdserve.bench.datasets import (
     SampleRequest,
     bimodal_requests,
@@ -41,17 +55,30 @@ from pdserve.bench.datasets import (
     parse_output_lens,
     random_requests,
     sharegpt_requests,
+    system_prompt_requests,
     vocab_size_of,
 )
+from pdserve.bench.fleet_probe import fleet_snapshot
 from pdserve.bench.goodput_search import probe_table, result_to_dict, search_goodput
 from pdserve.bench.json_out import jsonable
 from pdserve.bench.metrics import meets_slos, parse_percentiles, parse_slos, summarize
+from pdserve.bench.prefix_metrics import prefix_summary, print_prefix_summary
+from pdserve.bench.prefix_oracle import DEFAULT_BLOCK_SIZE
 from pdserve.bench.report import print_summary, rate_label, save_json, sweep_table
 from pdserve.bench.runner import BenchmarkRun, LoadConfig, run_benchmark
 from pdserve.bench.traces import TraceRequest, load_azure_trace, shifting_trace
 
 DEFAULT_SWEEP_DIR = "bench_sweep"
 DEFAULT_SEARCH = {"search_min_rate": 0.5, "search_max_rate": 32.0, "search_iters": 5}
+DATASETS = ["random", "sharegpt", "bimodal", "trace", "shifting", "conversation", "system-prompt"]
+PREFIX_DATASETS = ("conversation", "system-prompt")  # the workloads whose summary has the prefix-cache figures
+# Flags whose default depends on the dataset (None in the parser, so that misuse can be told apart).
+CONVERSATION_DEFAULTS = {"num_conversations": 100, "conversation_turns": 4, "conversation_history_tokens": 900,
+                         "conversation_new_tokens": 60, "think_time": 0.0}
+SYSTEM_PROMPT_DEFAULTS = {"num_system_prompts": 4, "system_prompt_len": 1024, "system_prompt_dist": "uniform"}
+ORACLE_DEFAULTS = {"oracle_block_size": DEFAULT_BLOCK_SIZE}
+DEFAULT_NUM_PROMPTS = 1000
+DEFAULT_INPUT_LEN = {"system-prompt": 128}  # else 1024
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -64,14 +91,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="local tokenizer folder: exact token counts, text for chat")
     g.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=["random", "sharegpt", "bimodal", "trace", "shifting"], default="random",
+    g.add_argument("--dataset-name", choices=DATASETS, default="random",
                    help="bimodal: random prompts of --random-input-len, outputs short or long (shortest-job-first); "
                         "trace: replay --trace-path's arrivals and lengths; shifting: a request mix that changes "
-                        "every --shift-period seconds")
+                        "every --shift-period seconds; conversation: multi-turn conversations, each turn's prompt "
+                        "the history + a new message; system-prompt: a few long system prompts shared by many "
+                        "users (both report prefix-cache hit rates against an oracle)")
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
-    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests to send (default {DEFAULT_NUM_PROMPTS}; conversation: --num-conversations)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-input-len", type=int, default=None,
+                   help="prompt tokens (default 1024); system-prompt: the user suffix after the system prompt "
+                        "(default 128)")
     g.add_argument("--random-output-len", type=int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len*[1-r, 1+r]")
     g.add_argument("--random-vocab-size", type=int, default=None,
@@ -91,13 +123,44 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shift-duration", type=float, default=None, metavar="S", help="shifting: seconds of arrivals")
     g.add_argument("--shift-scale", type=float, default=None, metavar="X",
                    help="shifting: multiply the phases' token lengths by X (e.g. 0.1 on a small CPU; default 1)")
+    g = p.add_argument_group("conversation (--dataset-name conversation; pdserve/bench/conversations.py)")
+    g.add_argument("--num-conversations", type=int, default=None, metavar="N",
+                   help=f"conversations to run (default {CONVERSATION_DEFAULTS['num_conversations']}); each sends "
+                        "--conversation-turns requests; --request-rate is conversation starts per second and "
+                        "--max-concurrency the conversations in flight")
+    g.add_argument("--conversation-turns", type=int, default=None, metavar="K",
+                   help=f"turns per conversation (default {CONVERSATION_DEFAULTS['conversation_turns']})")
+    g.add_argument("--conversation-history-tokens", type=int, default=None, metavar="N",
+                   help="tokens of the first turn's prompt, random as the random dataset's "
+                        f"(default {CONVERSATION_DEFAULTS['conversation_history_tokens']})")
+    g.add_argument("--conversation-new-tokens", type=int, default=None, metavar="N",
+                   help="tokens of the new user message each later turn appends after the history and the reply "
+                        f"(default {CONVERSATION_DEFAULTS['conversation_new_tokens']}); replies ask for "
+                        "--random-output-len tokens, lengths vary with --random-range-ratio")
+    g.add_argument("--think-time", type=float, default=None, metavar="S",
+                   help="seconds between a reply's end and the conversation's next turn (default 0)")
+    g = p.add_argument_group("system prompts (--dataset-name system-prompt: agents, many users, few prompts)")
+    g.add_argument("--num-system-prompts", type=int, default=None, metavar="S",
+                   help=f"distinct system prompts (default {SYSTEM_PROMPT_DEFAULTS['num_system_prompts']}); each "
+                        "request is one of them + a random user suffix of --random-input-len tokens")
+    g.add_argument("--system-prompt-len", type=int, default=None, metavar="N",
+                   help=f"tokens per system prompt (default {SYSTEM_PROMPT_DEFAULTS['system_prompt_len']})")
+    g.add_argument("--system-prompt-dist", choices=["uniform", "zipf", "round-robin"], default=None,
+                   help="which system prompt a request gets: seeded uniform draws (default), zipf (prompt i "
+                        "with weight 1/(i+1)) or round-robin")
+    g = p.add_argument_group("prefix oracle (conversation and system-prompt; pdserve/bench/prefix_oracle.py)")
+    g.add_argument("--oracle-cache-blocks", type=int, default=None, metavar="N",
+                   help="capacity of the oracle's one pooled LRU prefix cache, in blocks (default: the sum of "
+                        "num_total_blocks over the router's GET /nodes; unbounded when there is no /nodes)")
+    g.add_argument("--oracle-block-size", type=int, default=None, metavar="N",
+                   help=f"tokens per block of the oracle's cache, the engine's block size (default {DEFAULT_BLOCK_SIZE})")
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=parse_rate, default=math.inf, help="requests/s, or inf (default)")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--num-warmups", type=int, default=0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on for random, bimodal, trace and shifting (their lengths are given), off for sharegpt")
+                   help="default: on for every dataset but sharegpt (their lengths are given), off for sharegpt")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--return-token-ids", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for vLLM's token_ids in each chunk, so a chunk of k tokens counts as k ITL samples "
@@ -163,6 +226,12 @@ def build_samples(args: argparse.Namespace, tokenizer, is_chat: bool) -> list[Sa
             print(f"note: {args.dataset_path} has {len(samples)} usable conversations of {args.num_prompts} asked")
         return samples
     vocab = args.random_vocab_size or vocab_size_of(tokenizer, 256)
+    if args.dataset_name == "system-prompt":
+        samples, _ = system_prompt_requests(args.num_prompts, args.num_system_prompts, args.system_prompt_len,
+                                            args.random_input_len, args.random_output_len, args.random_range_ratio,
+                                            vocab_size=vocab, seed=args.seed, dist=args.system_prompt_dist,
+                                            as_text=is_chat, tokenizer=tokenizer)
+        return samples
     if args.dataset_name == "bimodal":
         return bimodal_requests(args.num_prompts, args.random_input_len, parse_output_lens(args.bimodal_output_lens),
                                 args.bimodal_long_fraction, vocab_size=vocab, seed=args.seed, as_text=is_chat,
@@ -188,6 +257,13 @@ class Workload:
     samples: list[SampleRequest]
     offsets: list[float] | None = None
     phases: list[str] | None = None
+    conversations: list[ConversationSpec] | None = None  # the conversation workload (samples is then empty)
+    warmups: list[SampleRequest] | None = None  # what warm-ups send (None: the samples)
+    tokenizer: object = None
+
+    @property
+    def num_requests(self) -> int:
+        return sum(c.num_turns for c in self.conversations) if self.conversations is not None else len(self.samples)
 
 
 def trace_workload(args: argparse.Namespace, requests: list[TraceRequest], tokenizer, is_chat: bool,
@@ -224,8 +300,27 @@ def workload_source(args: argparse.Namespace, tokenizer, is_chat: bool):
             drawn[rate] = trace_workload(args, requests, tokenizer, is_chat, f"the shifting workload at {rate:g} req/s")
             return drawn[rate]
         return shifting
+    if args.dataset_name in PREFIX_DATASETS:
+        work = prefix_workload(args, tokenizer, is_chat)
+        return lambda rate: work
     work = Workload(build_samples(args, tokenizer, is_chat))
     return lambda rate: work
+
+
+def prefix_workload(args: argparse.Namespace, tokenizer, is_chat: bool) -> Workload:
+    """The conversation or system-prompt workload; its warm-ups are unrelated random prompts (another
+    seed), so that they leave nothing in the prefix cache the run measures."""
+    vocab = args.random_vocab_size or vocab_size_of(tokenizer, 256)
+    as_text = is_chat or not args.return_token_ids
+    warm_len = args.conversation_history_tokens if args.dataset_name == "conversation" else args.random_input_len
+    warmups = random_requests(max(1, args.num_warmups), warm_len, args.random_output_len, 0.0, vocab_size=vocab,
+                              seed=args.seed + 1_000_003, as_text=is_chat, tokenizer=tokenizer)
+    if args.dataset_name == "system-prompt":
+        return Workload(build_samples(args, tokenizer, is_chat), warmups=warmups, tokenizer=tokenizer)
+    specs = conversation_specs(args.num_conversations, args.conversation_turns, args.conversation_history_tokens,
+                               args.conversation_new_tokens, args.random_output_len, args.random_range_ratio,
+                               vocab_size=vocab, seed=args.seed, as_text=as_text, tokenizer=tokenizer)
+    return Workload([], conversations=specs, warmups=warmups, tokenizer=tokenizer)
 
 
 def trace_rate(offsets: list[float]) -> float:
@@ -245,12 +340,21 @@ def run_one(cfg: EndpointConfig, work: Workload, args: argparse.Namespace, rate:
     load = LoadConfig(request_rate=rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                       num_warmups=args.num_warmups if first else 0, seed=args.seed,
                       disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout, chaos=chaos,
-                      offsets=work.offsets)
+                      offsets=work.offsets, warmup_samples=work.warmups)
     run = BenchmarkRun(request_rate=rate)
+    before = fleet_snapshot(base_url_of(cfg.api_url)) if args.dataset_name in PREFIX_DATASETS else None
     try:
-        asyncio.run(run_benchmark(cfg, work.samples, load, run))
+        if work.conversations is not None:
+            asyncio.run(run_conversations(cfg, work.conversations, load, run, args.think_time, work.tokenizer))
+        else:
+            asyncio.run(run_benchmark(cfg, work.samples, load, run))
     except KeyboardInterrupt:
         run.mark_interrupted()
+    if args.dataset_name in PREFIX_DATASETS:
+        try:
+            run.fleet = (before, fleet_snapshot(base_url_of(cfg.api_url)))
+        except KeyboardInterrupt:
+            run.fleet = (before, None)
     return run
 
 
@@ -278,11 +382,20 @@ def report(args: argparse.Namespace, cfg: EndpointConfig, runs: list[tuple[Bench
         summary = summarize(run.records, run.duration_s, computed, slos)
         if work.phases is not None:
             summary["phases"] = by_phase(run.records, work.phases, slos)
+        if args.dataset_name in PREFIX_DATASETS:
+            before = run.fleet[0] if run.fleet else None
+            blocks = args.oracle_cache_blocks if args.oracle_cache_blocks is not None else (
+                before.cache_blocks if before is not None else None)
+            summary.update(prefix_summary(run.records, computed, conversation=work.conversations is not None,
+                                          fleet=run.fleet, oracle_cache_blocks=blocks,
+                                          oracle_block_size=args.oracle_block_size))
         results.append((run, summary))
         if quiet:
             continue
         title = f" Serving Benchmark Result (rate {rate_label(run.request_rate)}) "
         print_summary(summary, title=title, interrupted=run.interrupted, percentiles=args.percentiles)
+        if "prefix_hit_rate" in summary:
+            print_prefix_summary(summary)
         if "phases" in summary:
             print(f"per phase (rate {rate_label(run.request_rate)}):")
             print(phase_table(summary["phases"]))
@@ -359,9 +472,13 @@ def serve(args: argparse.Namespace) -> int:
               f"max_concurrency={args.max_concurrency}", flush=True)
         return goodput_search(args, cfg, workload_for)
     rates = [parse_rate(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
-    prompts = len(workload_for(rates[0]).samples)
+    work = workload_for(rates[0])
     label = "trace" if args.dataset_name == "trace" else ",".join(map(rate_label, rates))
-    print(f"{cfg.api_url} model={cfg.model} prompts={prompts} rates={label} "
+    what = f"prompts={work.num_requests}"
+    if work.conversations is not None:
+        what = (f"conversations={len(work.conversations)} turns={args.conversation_turns} "
+                f"think_time={args.think_time:g}s requests={work.num_requests}")
+    print(f"{cfg.api_url} model={cfg.model} {what} rates={label} "
           f"burstiness={args.burstiness} max_concurrency={args.max_concurrency}", flush=True)
     runs = run_rates(cfg, workload_for, args, rates)
     report(args, cfg, runs)
@@ -376,6 +493,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     trace_flags, shift_flags = given("trace_path", "trace_time_scale"), given("shift_period", "shift_duration",
                                                                              "shift_scale")
     search_flags = given("goodput_attainment", "search_min_rate", "search_max_rate", "search_iters")
+    check_prefix_args(parser, args, given)
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.dataset_name != "trace" and trace_flags:
@@ -423,6 +541,50 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--search-iters must be >= 0, got {args.search_iters}")
         if args.goodput_attainment is not None and not 0 < args.goodput_attainment <= 1:
             parser.error(f"--goodput-attainment must be in (0, 1], got {args.goodput_attainment:g}")
+
+
+def check_prefix_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given) -> None:
+    """The conversation, system-prompt and oracle flags: only with their datasets, in range; then the
+    dataset-dependent defaults are filled in (--num-prompts, --random-input-len and these flags)."""
+    name = args.dataset_name
+    groups = ((CONVERSATION_DEFAULTS, name == "conversation", "conversation"),
+              (SYSTEM_PROMPT_DEFAULTS, name == "system-prompt", "system-prompt"),
+              (ORACLE_DEFAULTS | {"oracle_cache_blocks": None}, name in PREFIX_DATASETS, "conversation or system-prompt"))
+    for defaults, applies, dataset in groups:
+        wrong = given(*defaults)
+        if wrong and not applies:
+            parser.error(f"{', '.join(wrong)}: only with --dataset-name {dataset}")
+    if name == "conversation":
+        for flag in given("num_prompts", "random_input_len"):
+            parser.error(f"{flag} does not apply to --dataset-name conversation: use --num-conversations, "
+                         "--conversation-history-tokens and --conversation-new-tokens")
+        for flag, bad in (("--goodput-search", args.goodput_search), ("--chaos-interval", args.chaos_interval)):
+            if bad:
+                parser.error(f"{flag} is not supported with --dataset-name conversation")
+    for defaults, applies, _ in groups:
+        for key, value in defaults.items():
+            if getattr(args, key) is None and applies:
+                setattr(args, key, value)
+    if args.num_prompts is None:
+        args.num_prompts = DEFAULT_NUM_PROMPTS
+    if args.random_input_len is None:
+        args.random_input_len = DEFAULT_INPUT_LEN.get(name, 1024)
+    checks = [("--random-input-len", args.random_input_len, 1), ("--random-output-len", args.random_output_len, 1)]
+    if name == "conversation":
+        checks += [("--num-conversations", args.num_conversations, 1), ("--conversation-turns", args.conversation_turns, 1),
+                   ("--conversation-history-tokens", args.conversation_history_tokens, 1),
+                   ("--conversation-new-tokens", args.conversation_new_tokens, 1)]
+        if not 0 <= args.think_time < math.inf:
+            parser.error(f"--think-time must be a number of seconds >= 0, got {args.think_time:g}")
+    if name == "system-prompt":
+        checks += [("--num-system-prompts", args.num_system_prompts, 1),
+                   ("--system-prompt-len", args.system_prompt_len, 1)]
+    if name in PREFIX_DATASETS:
+        checks += [("--oracle-block-size", args.oracle_block_size, 1), ("--oracle-cache-blocks",
+                                                                        args.oracle_cache_blocks, 0)]
+    for flag, value, low in checks:
+        if value is not None and value < low:
+            parser.error(f"{flag} must be >= {low}, got {value}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ gap / k (as SGLang's bench_serving does). k is the chunk's `token_ids` when the 
 (`stream_options.include_usage`) gives the total, and the tokens beyond one per chunk are shared out
 over the gaps (`spread_tokens`). Either way the mean ITL is the decode time over the decoded tokens, the
 TPOT a client sees, not a multiple of it. The output length is usage's completion_tokens, else the ids
-seen, else the number of output chunks. Whatever goes wrong ends up in `record.error`, never raised.
+seen, else the number of output chunks. The prompt tokens the server served from its prefix cache are
+usage's `prompt_tokens_details.cached_tokens` (OpenAI's field), None when the server does not say. Whatever goes wrong ends up in `record.error`, never raised.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ def build_body(cfg: EndpointConfig, sample: SampleRequest) -> dict:
     body: dict = {"model": cfg.model, "max_tokens": sample.output_len, "temperature": cfg.temperature,
                   "stream": True, "stream_options": {"include_usage": True}}
     if cfg.is_chat:
-        text = sample.prompt if isinstance(sample.prompt, str) else None
-        if text is None:
-            raise ValueError("the chat endpoint needs text prompts, not token ids")
-        body["messages"] = [{"role": "user", "content": text}]
+        if sample.messages is not None:
+            body["messages"] = sample.messages
+        else:
+            text = sample.prompt if isinstance(sample.prompt, str) else None
+            if text is None:
+                raise ValueError("the chat endpoint needs text prompts, not token ids")
+            body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = sample.prompt
     if cfg.ignore_eos:
@@ -73,6 +77,7 @@ class _StreamState:
         self.chunks: list[tuple[float, int]] = []  # (arrival, token ids in it) per output chunk
         self.usage: dict | None = None
         self.text: list[str] = []
+        self.ids: list[int] = []  # the output token ids the chunks carried
 
     def on_event(self, event: dict, now: float) -> None:
         if event.get("error") and not event.get("choices"):
@@ -86,6 +91,7 @@ class _StreamState:
             ids = choice.get("token_ids") or []
             if text or ids:
                 self._on_output(now, len(ids))
+                self.ids += ids
                 self.text.append(text)
             elif choice.get("finish_reason") and self.first is None:
                 self.first = now  # finished without output (e.g. EOS first): TTFT is here
@@ -157,6 +163,8 @@ async def _read_events(resp: aiohttp.ClientResponse):
 async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig, sample: SampleRequest,
                        request_id: int, clock_zero: float = 0.0) -> RequestRecord:
     record = RequestRecord(request_id, sample.prompt_len, sample.output_len)
+    if isinstance(sample.prompt, list) and sample.messages is None:
+        record.prompt_ids = sample.prompt
     start = time.perf_counter()
     record.start_s = start - clock_zero
     state = _StreamState(start)
@@ -183,6 +191,15 @@ def _finish(record: RequestRecord, state: _StreamState, end: float) -> RequestRe
     record.ttft_s, record.itl_s, record.e2el_s = state.first - state.start, state.itl(), end - state.start
     record.output_len = state.output_len()
     record.generated_text = "".join(state.text)
+    record.output_ids = state.ids
     if state.usage and isinstance(state.usage.get("prompt_tokens"), int):
         record.prompt_len = state.usage["prompt_tokens"]  # the server's count beats our estimate
+    record.cached_tokens = cached_tokens(state.usage)
     return record
+
+
+def cached_tokens(usage: dict | None) -> int | None:
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`; None (unknown, not 0) when not reported."""
+    details = (usage or {}).get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -1,5 +1,8 @@
 """The prompts a benchmark sends: random token ids (vLLM's `random` dataset), the same with a bimodal
-output length (`bimodal`: most requests short, some long, for shortest-job-first) or ShareGPT conversations.
+output length (`bimodal`: most requests short, some long, for shortest-job-first), ShareGPT conversations,
+or `system-prompt`: a few long random system prompts shared by many users, each request one of them
+plus its own random user suffix (agents: the prefix-cache workload). Multi-turn conversations, whose
+prompts depend on the replies, are built as they run: `conversations.py`.
 
 Lengths follow vLLM: with `range_ratio` r, input and output lengths are drawn uniformly from the
 integers in [floor(len * (1 - r)), ceil(len * (1 + r))] (outputs at least 1). Random prompts are
@@ -33,6 +36,7 @@ class SampleRequest:
     prompt: str | list[int]  # text, or token ids (completions endpoint only)
     prompt_len: int  # tokens (estimated as chars / 4 for text without a tokenizer)
     output_len: int  # the max_tokens to ask for
+    messages: list[dict] | None = None  # chat messages to send instead of one user message of `prompt`
 
     def __post_init__(self) -> None:
         if self.output_len < 1:
@@ -99,6 +103,52 @@ def bimodal_requests(num_prompts: int, input_len: int, output_lens: tuple[int, i
         if rng.random() < long_fraction:
             sample.output_len = long_len
     return samples
+
+
+SYSTEM_PROMPT_DISTS = ("uniform", "zipf", "round-robin")
+
+
+def system_prompt_requests(num_prompts: int, num_system_prompts: int, system_prompt_len: int, user_len: int,
+                           output_len: int, range_ratio: float = 0.0, *, vocab_size: int, seed: int = 0,
+                           dist: str = "uniform", as_text: bool = False,
+                           tokenizer=None) -> tuple[list[SampleRequest], list[int]]:
+    """`num_prompts` requests, each one of `num_system_prompts` random system prompts of
+    `system_prompt_len` tokens followed by a fresh random user suffix (about `user_len` tokens, with
+    the range ratio, as the output length). Which system prompt: seeded uniform draws, zipf (prompt i
+    drawn with weight 1 / (i + 1): a few agents are most of the traffic) or round-robin. Returns the
+    requests and each one's system prompt index. As token ids the prompt is system + user ids (the
+    prefix is exact); as text (chat) the request carries a system message and a user message, and
+    the completions text is the two joined by a newline."""
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    if num_system_prompts < 1 or system_prompt_len < 1:
+        raise ValueError(f"need at least one system prompt of at least one token, got {num_system_prompts} "
+                         f"of {system_prompt_len}")
+    if dist not in SYSTEM_PROMPT_DISTS:
+        raise ValueError(f"system prompt distribution must be one of {', '.join(SYSTEM_PROMPT_DISTS)}, got {dist!r}")
+    rng = random.Random(seed)
+    systems = [_random_prompt(rng, system_prompt_len, vocab_size, as_text, tokenizer) for _ in range(num_system_prompts)]
+    in_lo, in_hi = length_range(user_len, range_ratio)
+    out_lo, out_hi = length_range(output_len, range_ratio)
+    weights = [1.0 / (i + 1) for i in range(num_system_prompts)]
+    out, which = [], []
+    for i in range(num_prompts):
+        if dist == "round-robin":
+            k = i % num_system_prompts
+        elif dist == "zipf":
+            k = rng.choices(range(num_system_prompts), weights=weights)[0]
+        else:
+            k = rng.randrange(num_system_prompts)
+        n_in, n_out = rng.randint(in_lo, in_hi), rng.randint(out_lo, out_hi)
+        user = _random_prompt(rng, n_in, vocab_size, as_text, tokenizer)
+        system = systems[k]
+        if isinstance(system, list):
+            out.append(SampleRequest(system + user, system_prompt_len + n_in, n_out))
+        else:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+            out.append(SampleRequest(system + "\n" + user, system_prompt_len + n_in, n_out, messages=messages))
+        which.append(k)
+    return out, which
 
 
 def parse_output_lens(text: str) -> tuple[int, int]:

@@ -28,6 +28,12 @@ class RequestRecord:
     e2el_s: float = 0.0  # send → end of stream
     output_len: int = 0  # output tokens: usage.completion_tokens, else token ids seen, else chunks
     generated_text: str = ""
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None: not reported
+    conversation: int | None = None  # conversation workload: the conversation's index
+    turn: int | None = None  # conversation workload: the turn's index, 0 first
+    # Not written to JSON (they can be long): the exact ids sent and received, for the prefix oracle.
+    prompt_ids: list[int] | None = field(default=None, repr=False, compare=False)  # None: a text prompt
+    output_ids: list[int] = field(default_factory=list, repr=False, compare=False)  # ids the stream carried
 
     @property
     def tpot_s(self) -> float:
@@ -37,4 +43,6 @@ class RequestRecord:
         return (self.e2el_s - self.ttft_s) / (self.output_len - 1)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tpot_s": self.tpot_s}
+        out = asdict(self)
+        del out["prompt_ids"], out["output_ids"]
+        return {**out, "tpot_s": self.tpot_s}

@@ -37,6 +37,9 @@ class LoadConfig:
     request_timeout_s: float | None = 6 * 3600.0
     chaos: ChaosConfig | None = None  # kill or stall nodes during the run (chaos.py)
     offsets: list[float] | None = None  # explicit arrival offsets (a trace), one per request; rate is then a label
+    # What the warm-ups send (cycled); None: the run's own requests. The prefix-cache workloads warm up
+    # with unrelated prompts, so that the warm-ups do not fill the cache the run measures.
+    warmup_samples: list[SampleRequest] | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -55,6 +58,7 @@ class BenchmarkRun:
     end: float | None = None
     interrupted: bool = False
     chaos: ChaosLog | None = None
+    fleet: tuple | None = None  # (before, after) FleetSnapshot for the prefix-cache workloads (fleet_probe.py)
 
     @property
     def duration_s(self) -> float:
@@ -72,8 +76,8 @@ def _slot(sem: asyncio.Semaphore | None):
     return sem if sem is not None else contextlib.nullcontext()
 
 
-async def _warm_up(session, cfg: EndpointConfig, samples: list[SampleRequest], load: LoadConfig,
-                   sem: asyncio.Semaphore | None) -> list[RequestRecord]:
+async def warm_up(session, cfg: EndpointConfig, samples: list[SampleRequest], load: LoadConfig,
+                  sem: asyncio.Semaphore | None) -> list[RequestRecord]:
     async def one(i: int) -> RequestRecord:
         async with _slot(sem):
             return await send_request(session, cfg, samples[i % len(samples)], -1 - i)
@@ -90,7 +94,7 @@ async def run_benchmark(cfg: EndpointConfig, samples: list[SampleRequest], load:
     timeout = aiohttp.ClientTimeout(total=load.request_timeout_s)
     # limit=0: the connection pool must not be a hidden concurrency cap of its own (aiohttp's is 100).
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        warm = await _warm_up(session, cfg, samples, load, sem)
+        warm = await warm_up(session, cfg, load.warmup_samples or samples, load, sem)
         if any(not r.success for r in warm):
             print(f"warning: {sum(not r.success for r in warm)} of {len(warm)} warm-up requests failed: "
                   f"{next(r.error for r in warm if not r.success)}")
