@@ -20,7 +20,7 @@ ENGINE_ARG_NAMES = ("dtype", "device", "block_size", "num_kv_blocks", "kv_cache_
                     "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
                     "enable_chunked_prefill", "swap_space_gb", "num_threads", "enforce_eager", "seed",
                     *SCHEDULING_ARG_NAMES, "speculative_config", "tensor_parallel_size", "tp_timeout_s",
-                    "tp_startup_timeout_s")
+                    "tp_startup_timeout_s", "kv_offload", "kv_offload_gb", "kv_offload_dir")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> None:
@@ -51,6 +51,15 @@ def add_engine_args(parser: argparse.ArgumentParser, title: str = "engine") -> N
                    help="split long prompts over several steps (default: %(default)s)")
     g.add_argument("--swap-space-gb", type=float, default=0.0,
                    help="host memory for swapped-out requests; 0 = preempt by recompute (default: %(default)s)")
+    g.add_argument("--kv-offload", default="none", choices=["none", "host", "disk"],
+                   help="a tier below the KV pool: evicted prefix-cache blocks go there and come back on a hit "
+                        "(verified by digest) instead of being recomputed; host = host memory (pinned on CUDA), "
+                        "disk = a memory-mapped file (default: %(default)s)")
+    g.add_argument("--kv-offload-gb", type=float, default=4.0,
+                   help="size cap of the --kv-offload tier, GiB (default: %(default)s)")
+    g.add_argument("--kv-offload-dir", default=None,
+                   help="--kv-offload disk: directory of the tier's file, in a fresh subdirectory deleted when "
+                        "the engine closes (default: the system's temp dir)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for this process, per rank with --tensor-parallel-size (default: torch's "
                         "choice; with tensor parallelism on the CPU, the CPUs divided among the ranks)")

@@ -14,6 +14,15 @@ Events. With `events` set (a KVEventLog, engine/kv_events.py), every key enterin
 (`cache_full_blocks`) and leaving it (eviction in `_pop_free`) is recorded: the node publishes
 them to its routers as KVEvents, and each router keeps an exact index (router/kv_index.py).
 
+A tier below memory (engine/kv_tier.py; `attach_tier`, --kv-offload). An evictable cached block
+taken for reuse (`_pop_free`) is first copied to the tier under its key (`tier.offload`), and
+`get_computed_blocks` goes on past the last in-memory hit through the tier: each next key the tier
+holds gets a block, its bytes copied back and verified (`tier.load`), and its key, and sits in the
+LRU list as an ordinary evictable cached block: the request takes it as a hit like any other, and
+an admission that then fails leaves it cached. The first miss or failed check ends the chain. The
+manager only has ids: the bytes move in the model runner's pools, synchronously, between forwards.
+Tier keys entering and leaving are KVEvents of tier "disk" (`tier_keys` is their snapshot).
+
 Forks (parallel sampling, n > 1). `fork` gives a new table the same blocks as an existing one
 (refcounts +1): the choices of one request hold the prompt's KV once. A shared block is never
 written in place: `copy_on_write` first gives the writer a private copy of every shared block its
@@ -27,10 +36,32 @@ Invariant (tests check it after every step):
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import Protocol
 
 from pdserve.engine.kv_events import KVEventLog
+
+logger = logging.getLogger(__name__)
+
+TIER_EVENTS_NAME = "disk"  # the KVEvents tier of every backend below memory (host or disk)
+
+
+class BlockTierHooks(Protocol):
+    """What the manager needs from a tier below memory (engine/kv_tier.py `BlockTier`)."""
+
+    listener: object  # set by `attach_tier`: called (key, stored) as keys enter and leave the tier
+
+    def offload(self, key: int, block_id: int) -> None: ...
+
+    def load(self, key: int, block_id: int) -> bool: ...
+
+    def touch(self, key: int) -> bool: ...
+
+    def __contains__(self, key: int) -> bool: ...
+
+    def keys(self) -> list[int]: ...
 
 
 class BlockManager:
@@ -67,6 +98,26 @@ class BlockManager:
         self.num_prefix_hits = 0  # of which were found
         # Keys entering and leaving the cache, for the node's KVEvents (None: nobody listens).
         self.events: KVEventLog | None = None
+        # The tier below memory (None: an evicted block's KV is dropped and recomputed on a hit).
+        self.tier: BlockTierHooks | None = None
+        self.num_tier_hits = 0  # prompt tokens served from the tier (also counted in num_prefix_hits)
+        self.num_tier_offloads = 0  # evicted blocks handed to the tier (copied, or refreshed if held)
+        self.num_tier_failed_loads = 0  # tier keys whose load failed its check (recomputed)
+
+    def attach_tier(self, tier: BlockTierHooks | None) -> None:
+        """Offload evicted blocks to `tier` and serve prefix hits from it (None: detach)."""
+        if tier is not None and not self.enable_prefix_caching:
+            raise ValueError("a KV tier needs prefix caching: its blocks are found by their prefix keys")
+        self.tier = tier
+        if tier is not None:
+            tier.listener = self._tier_event
+
+    def _tier_event(self, key: int, stored: bool) -> None:
+        if self.events is not None:
+            if stored:
+                self.events.stored(key, TIER_EVENTS_NAME)
+            else:
+                self.events.removed(key, TIER_EVENTS_NAME)
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -85,23 +136,62 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -------------------------------------------------------------------
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> list[int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], *, load: bool = True) -> list[int]:
         """Leading full blocks of `token_ids` whose KV is cached. At least one token is left
-        uncomputed, since the step that samples needs the last token's logits."""
+        uncomputed, since the step that samples needs the last token's logits. With a tier and
+        `load`, the chain goes on through the tier: blocks it holds are loaded back into the pool
+        (as evictable cached blocks) and returned as hits. The caller passes `load=False` when
+        this step has swap-outs still to read freed blocks (a load writes a block now)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
         parent = 0
         bs = self.block_size
+        tier = self.tier if load else None
+        protected = 0  # hits in the LRU list, moved to its end so a load's eviction cannot take them
+        num_loaded = 0
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
             parent = hash((parent, tuple(token_ids[start : start + bs])))
             block_id = self.cached.get(parent)
             if block_id is None:
-                break
+                if tier is None or not tier.touch(parent):  # held: now the tier's most recently used
+                    break
+                if len(self.free_ids) + len(self.evictable) - protected <= 0:
+                    break  # no block to load into but the request's own hits
+                block_id = self._load_from_tier(parent)
+                if block_id is None:
+                    break
+                num_loaded += 1
+            if tier is not None and self.ref_counts[block_id] == 0:
+                self.evictable.move_to_end(block_id)
+                protected += 1
             hits.append(block_id)
         self.num_prefix_queries += len(token_ids)
         self.num_prefix_hits += len(hits) * bs
+        self.num_tier_hits += num_loaded * bs
         return hits
+
+    def _load_from_tier(self, key: int) -> int | None:
+        """A free block holding `key`'s KV from the tier, keyed and evictable (the LRU list's
+        newest); None when the load failed its check (the block goes back to the free list)."""
+        block_id = self._pop_free()
+        try:
+            ok = self.tier.load(key, block_id)
+        except BaseException:
+            self.ref_counts[block_id] = 0
+            self.free_ids.appendleft(block_id)
+            raise
+        self.ref_counts[block_id] = 0
+        if not ok:
+            self.num_tier_failed_loads += 1
+            self.free_ids.appendleft(block_id)
+            return None
+        self.block_keys[block_id] = key
+        self.cached[key] = block_id
+        self.evictable[block_id] = None
+        if self.events is not None:
+            self.events.stored(key)
+        return block_id
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Give keys to the request's blocks that became full and computed in the last step."""
@@ -125,6 +215,10 @@ class BlockManager:
     def cached_keys(self) -> list[int]:
         """Every key the cache holds now (a KVEvents snapshot)."""
         return list(self.cached)
+
+    def tier_keys(self) -> list[int]:
+        """Every key the tier below memory holds now (a KVEvents snapshot of tier "disk")."""
+        return list(self.tier.keys()) if self.tier is not None else []
 
     # ---- allocate / free ----------------------------------------------------------------
     def can_allocate(
@@ -245,12 +339,22 @@ class BlockManager:
         else:
             block_id, _ = self.evictable.popitem(last=False)  # least recently used
             key = self.block_keys[block_id]
+            if self.tier is not None:  # its KV to the tier before anything overwrites the block
+                self._offload(key, block_id)
             del self.cached[key]
             self.block_keys[block_id] = None
             if self.events is not None:
                 self.events.removed(key)
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _offload(self, key: int, block_id: int) -> None:
+        try:
+            self.tier.offload(key, block_id)
+        except Exception:  # a full disk or a broken store costs recomputes, not the node
+            logger.exception("KV tier: offloading block %d failed; its KV is dropped", block_id)
+            return
+        self.num_tier_offloads += 1
 
     # ---- swap to host memory ------------------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:

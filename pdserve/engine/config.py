@@ -17,6 +17,8 @@ from pdserve.engine.scheduling_policy import (
 from pdserve.engine.spec_decode.config import SpeculativeConfig
 from pdserve.kvcache.dtypes import parse_dtype
 
+KV_OFFLOAD_CHOICES = ("none", "host", "disk")
+
 
 @dataclass
 class EngineConfig:
@@ -33,6 +35,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     swap_space_gb: float = 0.0  # host memory for swapped-out requests; 0 = preempt by recompute
+    # A tier below the KV pool for evicted prefix-cache blocks (engine/kv_tier.py): none | host | disk
+    kv_offload: str = "none"
+    kv_offload_gb: float = 4.0  # the tier's size cap
+    kv_offload_dir: str | None = None  # disk: where its file goes (a fresh subdirectory; default the temp dir)
     num_threads: int | None = None  # torch intra-op threads on the CPU
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (engine/cuda_graphs.py); the CPU is always eager
     seed: int = 0
@@ -70,6 +76,29 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self._check_tp()
+        self._check_kv_offload()
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload not in KV_OFFLOAD_CHOICES:
+            raise ValueError(f"kv_offload (--kv-offload) must be one of {', '.join(KV_OFFLOAD_CHOICES)}, "
+                             f"got {self.kv_offload!r}")
+        if isinstance(self.kv_offload_gb, bool) or not isinstance(self.kv_offload_gb, (int, float)) \
+                or not self.kv_offload_gb > 0:
+            raise ValueError(f"kv_offload_gb (--kv-offload-gb) must be > 0, got {self.kv_offload_gb!r}")
+        if self.kv_offload_dir is not None and self.kv_offload != "disk":
+            raise ValueError(f"kv_offload_dir (--kv-offload-dir) applies to --kv-offload disk only, "
+                             f"not {self.kv_offload!r}")
+        if self.kv_offload == "none":
+            return
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--kv-offload needs --tensor-parallel-size 1, got {self.tensor_parallel_size}")
+        if not self.enable_prefix_caching:
+            raise ValueError("--kv-offload needs prefix caching (it finds blocks by their prefix keys): "
+                             "drop --no-enable-prefix-caching")
+        if self.kv_offload_dir is not None:
+            path = Path(self.kv_offload_dir)
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"kv_offload_dir (--kv-offload-dir) {str(path)!r} is not a directory")
 
     def _check_tp(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \

@@ -56,6 +56,9 @@ class LLM:
         tensor_parallel_size: int = 1,
         tp_timeout_s: float = 60.0,
         tp_startup_timeout_s: float = 120.0,
+        kv_offload: str = "none",  # none | host | disk: a tier below the KV pool (engine/kv_tier.py)
+        kv_offload_gb: float = 4.0,
+        kv_offload_dir: str | None = None,
     ) -> None:
         from pdserve.engine.loader import resolve_model  # file I/O and maybe a download: only in this factory
 
@@ -70,13 +73,14 @@ class LLM:
             speculative_config=speculative_config,
             scheduling_policy=scheduling_policy, sjf_length_factor=sjf_length_factor, sjf_aging_s=sjf_aging_s,
             tensor_parallel_size=tensor_parallel_size, tp_timeout_s=tp_timeout_s,
-            tp_startup_timeout_s=tp_startup_timeout_s,
+            tp_startup_timeout_s=tp_startup_timeout_s, kv_offload=kv_offload, kv_offload_gb=kv_offload_gb,
+            kv_offload_dir=kv_offload_dir,
         )
         self.tokenizer = _load_tokenizer(model_path) if not skip_tokenizer_init else None
         self.engine = LLMEngine(config, tokenizer=self.tokenizer)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker ranks (idempotent; nothing to do without them)."""
+        """Stop the tensor-parallel worker ranks and delete a disk KV tier's file (idempotent)."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

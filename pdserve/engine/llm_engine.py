@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.kv_tier import BlockTier, KVTier, make_tier
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import FINISHED, Request, RequestStatus
@@ -91,6 +92,13 @@ class LLMEngine:
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching,
             num_host_blocks=num_host_blocks,
         )
+        # The tier below the pool (--kv-offload): its counters are `kv_tier`'s (engine/kv_tier.py).
+        self.kv_tier: KVTier | None = None
+        try:
+            self._start_tier()
+        except BaseException:
+            self.close()
+            raise
         sched_config = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -108,6 +116,24 @@ class LLMEngine:
                     "tensor parallel size %d", num_blocks, config.block_size, num_host_blocks, config.torch_dtype,
                     config.max_model_len, config.tensor_parallel_size)
 
+    def _start_tier(self) -> None:
+        """--kv-offload: a host or disk tier of `kv_offload_gb` for blocks evicted from the pool
+        (and a draft model's pool: the same block ids), attached to the block manager."""
+        config = self.config
+        if config.kv_offload == "none":
+            return
+        pools = [self.runner.kv_buffer]
+        draft = getattr(self.proposer, "runner", None)  # a draft model's runner (ngram has none)
+        if draft is not None:
+            pools.append(draft.kv_buffer)
+        tier = make_tier(config.kv_offload, BlockTier.block_bytes(pools), config.kv_offload_gb,
+                         directory=config.kv_offload_dir, pin_memory=self.runner.device.type == "cuda")
+        self.kv_tier = tier
+        self.block_manager.attach_tier(BlockTier(tier, pools))
+        logger.info("KV tier: %s, %d blocks of %d bytes (%.2f GiB)%s", config.kv_offload, tier.capacity,
+                    tier.block_bytes, tier.capacity_bytes / _GIB,
+                    f" in {tier.directory}" if config.kv_offload == "disk" else "")
+
     def _start_pools(self, kv_allocator) -> tuple[int, int]:
         """The proposer, the KV pools (every rank's) and, on CUDA, the decode graphs."""
         config = self.config
@@ -123,9 +149,12 @@ class LLMEngine:
         return num_blocks, num_host_blocks
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker ranks and leave their process group (idempotent; nothing
-        to do without tensor parallelism). A second engine in this process can start after it."""
+        """Stop the tensor-parallel worker ranks and leave their process group, and delete a disk
+        KV tier's file (idempotent). A second engine in this process can start after it."""
         self.runner.close()
+        tier = getattr(self, "kv_tier", None)
+        if tier is not None:
+            tier.close()
 
     def __enter__(self) -> LLMEngine:
         return self

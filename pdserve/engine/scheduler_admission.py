@@ -74,7 +74,9 @@ class Admission:
             self._sort_for_admission(self.waiting)
         while self.waiting and budget > 0 and self._has_seat(self.waiting[0]):
             request = self.waiting[0]
-            computed = bm.get_computed_blocks(request.all_token_ids)
+            # A tier load writes a block now: never while this step's swap-outs still read freed ones
+            # (none today: nothing is admitted in a step that preempted).
+            computed = bm.get_computed_blocks(request.all_token_ids, load=not out.blocks_to_swap_out)
             num_computed = len(computed) * bm.block_size
             num_new = request.num_tokens - num_computed
             if num_new > budget and not self.config.enable_chunked_prefill:
