@@ -38,13 +38,13 @@ import math
 import sys
 import urllib.request
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_rate
 from pdserve.bench.by_length import by_length_table
 from pdserve.bench.by_phase import by_phase, phase_table
-from pdserve.bench.chaos import ChaosConfig, chaos_report
-from pdserve.bench.chaos import base_url_of
+from pdserve.bench.chaos import ChaosConfig, base_url_of, chaos_report
 from pdserve.bench.client import EndpointConfig, auth_headers
 from pdserve.bench.conversations import ConversationSpec, conversation_specs, run_conversations
 from pdserve.bench.datasets import (
@@ -341,8 +341,10 @@ def run_one(cfg: EndpointConfig, work: Workload, args: argparse.Namespace, rate:
                       num_warmups=args.num_warmups if first else 0, seed=args.seed,
                       disable_tqdm=args.disable_tqdm, request_timeout_s=args.request_timeout, chaos=chaos,
                       offsets=work.offsets, warmup_samples=work.warmups)
+    prefix = args.dataset_name in PREFIX_DATASETS
+    if prefix:  # the fleet's KV counters after the warm-ups, before the timed run
+        load.probe = partial(fleet_snapshot, base_url_of(cfg.api_url))
     run = BenchmarkRun(request_rate=rate)
-    before = fleet_snapshot(base_url_of(cfg.api_url)) if args.dataset_name in PREFIX_DATASETS else None
     try:
         if work.conversations is not None:
             asyncio.run(run_conversations(cfg, work.conversations, load, run, args.think_time, work.tokenizer))
@@ -350,11 +352,11 @@ def run_one(cfg: EndpointConfig, work: Workload, args: argparse.Namespace, rate:
             asyncio.run(run_benchmark(cfg, work.samples, load, run))
     except KeyboardInterrupt:
         run.mark_interrupted()
-    if args.dataset_name in PREFIX_DATASETS:
+    if prefix and run.fleet is not None:
         try:
-            run.fleet = (before, fleet_snapshot(base_url_of(cfg.api_url)))
+            run.fleet = (run.fleet[0], fleet_snapshot(base_url_of(cfg.api_url)))
         except KeyboardInterrupt:
-            run.fleet = (before, None)
+            pass
     return run
 
 

@@ -38,7 +38,7 @@ from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import EndpointConfig, send_request
 from pdserve.bench.datasets import MIN_RANDOM_TOKEN_ID, SampleRequest, _random_prompt, length_range
 from pdserve.bench.request_record import RequestRecord
-from pdserve.bench.runner import BenchmarkRun, LoadConfig, warm_up
+from pdserve.bench.runner import BenchmarkRun, LoadConfig, probe_before, warm_up
 
 MODES = ("ids", "text", "chat")
 
@@ -154,6 +154,7 @@ async def run_conversations(cfg: EndpointConfig, specs: list[ConversationSpec], 
                       f"{next(r.error for r in warm if not r.success)}")
         offsets = (list(load.offsets) if load.offsets is not None
                    else arrival_offsets(len(specs), load.request_rate, load.burstiness, load.seed))
+        await probe_before(load, run)
         bar = tqdm(total=sum(s.num_turns for s in specs), disable=load.disable_tqdm,
                    desc=f"conversations, rate {load.request_rate:g}")
         run.start = time.perf_counter()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,6 +41,9 @@ class LoadConfig:
     # What the warm-ups send (cycled); None: the run's own requests. The prefix-cache workloads warm up
     # with unrelated prompts, so that the warm-ups do not fill the cache the run measures.
     warmup_samples: list[SampleRequest] | None = None
+    # Called (in a thread) after the warm-ups, just before the timed run; what it returns becomes
+    # `run.fleet[0]` (the prefix-cache workloads read the fleet's KV counters there: fleet_probe.py).
+    probe: Callable[[], object] | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -85,6 +89,11 @@ async def warm_up(session, cfg: EndpointConfig, samples: list[SampleRequest], lo
     return list(await asyncio.gather(*(one(i) for i in range(load.num_warmups))))
 
 
+async def probe_before(load: LoadConfig, run: BenchmarkRun) -> None:
+    if load.probe is not None:
+        run.fleet = (await asyncio.to_thread(load.probe), None)
+
+
 async def run_benchmark(cfg: EndpointConfig, samples: list[SampleRequest], load: LoadConfig,
                         run: BenchmarkRun) -> BenchmarkRun:
     if not samples:
@@ -104,6 +113,7 @@ async def run_benchmark(cfg: EndpointConfig, samples: list[SampleRequest], load:
             offsets = list(load.offsets)
         else:
             offsets = arrival_offsets(len(samples), load.request_rate, load.burstiness, load.seed)
+        await probe_before(load, run)
         bar = tqdm(total=len(samples), disable=load.disable_tqdm, desc=f"rate {load.request_rate:g}")
         run.start = time.perf_counter()
 

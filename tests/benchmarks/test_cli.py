@@ -26,7 +26,7 @@ SUMMARY_KEYS = {"completed", "failed", "duration_s", "total_input_tokens", "tota
                 *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std", "p50", "p90", "p99")
                   for m in ("ttft", "tpot", "itl", "e2el"))}
 RECORD_KEYS = {"request_id", "prompt_len", "max_tokens", "success", "error", "start_s", "ttft_s", "itl_s",
-               "e2el_s", "tpot_s", "output_len", "generated_text"}
+               "e2el_s", "tpot_s", "output_len", "generated_text", "cached_tokens", "conversation", "turn"}
 
 
 def bench(fake, *flags: str) -> int:
@@ -119,6 +119,49 @@ def test_bad_flags_and_unreachable_server_exit_2(fake, capsys):
     assert main(["serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1"]) == 2
     assert bench(fake, "--goodput", "latency:3") == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--think-time", "1"], "--think-time: only with --dataset-name conversation"),
+    (["--num-conversations", "3", "--conversation-turns", "2"],
+     "--num-conversations, --conversation-turns: only with --dataset-name conversation"),
+    (["--dataset-name", "system-prompt", "--conversation-new-tokens", "9"],
+     "--conversation-new-tokens: only with --dataset-name conversation"),
+    (["--system-prompt-len", "64"], "--system-prompt-len: only with --dataset-name system-prompt"),
+    (["--dataset-name", "conversation", "--num-system-prompts", "2"],
+     "--num-system-prompts: only with --dataset-name system-prompt"),
+    (["--oracle-cache-blocks", "100"], "--oracle-cache-blocks: only with --dataset-name conversation or system-prompt"),
+    (["--dataset-name", "conversation", "--num-prompts", "5"], "--num-prompts does not apply to --dataset-name conversation"),
+    (["--dataset-name", "conversation", "--random-input-len", "5"],
+     "--random-input-len does not apply to --dataset-name conversation"),
+    (["--dataset-name", "conversation", "--think-time", "-1"], "--think-time must be a number of seconds >= 0"),
+    (["--dataset-name", "conversation", "--conversation-turns", "0"], "--conversation-turns must be >= 1, got 0"),
+    (["--dataset-name", "system-prompt", "--num-system-prompts", "0"], "--num-system-prompts must be >= 1, got 0"),
+    (["--dataset-name", "system-prompt", "--oracle-block-size", "0"], "--oracle-block-size must be >= 1, got 0"),
+    (["--dataset-name", "conversation", "--goodput-search", "--goodput", "ttft:1", "tpot:1"],
+     "--goodput-search is not supported with --dataset-name conversation"),
+    (["--dataset-name", "conversation", "--chaos-interval", "1"],
+     "--chaos-interval is not supported with --dataset-name conversation"),
+])
+def test_prefix_workload_flags_fail_in_one_line(fake, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--base-url", fake.url, "--disable-tqdm", *flags])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("pdserve bench: error:"), err
+    assert fake.bodies == []
+
+
+def test_dataset_defaults_depend_on_the_dataset(fake, tmp_path):
+    out = tmp_path / "d.json"
+    assert main(["serve", "--base-url", fake.url, "--disable-tqdm", "--dataset-name", "system-prompt",
+                 "--num-prompts", "2", "--system-prompt-len", "16", "--random-output-len", "2",
+                 "--save-json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["random_input_len"] == 128 and config["num_system_prompts"] == 4
+    assert config["system_prompt_dist"] == "uniform" and config["oracle_block_size"] == 16
+    assert config["num_conversations"] is None and config["think_time"] is None
+    assert [len(b["prompt"]) for b in fake.bodies] == [16 + 128] * 2
 
 
 def test_ctrl_c_prints_the_partial_summary(fake, tmp_path):

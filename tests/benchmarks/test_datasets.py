@@ -13,6 +13,7 @@ from pdserve.bench.datasets import (
     length_range,
     random_requests,
     sharegpt_requests,
+    system_prompt_requests,
 )
 from tests.conftest import save_tiny_tokenizer
 
@@ -90,3 +91,28 @@ def test_sharegpt_cap_count_and_tokenizer(tmp_path):
 def test_first_exchange():
     assert first_exchange([{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]) == ("q", "a")
     assert first_exchange([{"from": "human", "value": "q"}]) is None
+
+
+def test_system_prompt_requests_share_a_few_prefixes_and_are_seeded():
+    reqs, which = system_prompt_requests(40, 3, 32, 8, 4, vocab_size=300, seed=5)
+    again, which_again = system_prompt_requests(40, 3, 32, 8, 4, vocab_size=300, seed=5)
+    assert [r.prompt for r in reqs] == [r.prompt for r in again] and which == which_again
+    assert [r.prompt for r in reqs] != [r.prompt for r in system_prompt_requests(40, 3, 32, 8, 4, vocab_size=300,
+                                                                                 seed=6)[0]]
+    assert all(len(r.prompt) == r.prompt_len == 40 and r.output_len == 4 for r in reqs)
+    systems = {k: tuple(r.prompt[:32]) for r, k in zip(reqs, which)}
+    assert len(set(systems.values())) == 3 == len(set(which))  # one system prompt per index, all used
+    assert all(tuple(r.prompt[:32]) == systems[k] for r, k in zip(reqs, which))
+    assert len({tuple(r.prompt[32:]) for r in reqs}) == 40  # every user suffix its own
+    assert system_prompt_requests(7, 3, 8, 2, 1, vocab_size=300, dist="round-robin")[1] == [0, 1, 2, 0, 1, 2, 0]
+    zipf = system_prompt_requests(600, 4, 8, 2, 1, vocab_size=300, dist="zipf")[1]
+    assert zipf.count(0) > zipf.count(1) > zipf.count(3)  # weights 1, 1/2, 1/3, 1/4
+    with pytest.raises(ValueError, match="distribution"):
+        system_prompt_requests(1, 1, 8, 2, 1, vocab_size=300, dist="pareto")
+
+
+def test_system_prompt_requests_as_chat_messages():
+    reqs, which = system_prompt_requests(4, 2, 6, 3, 2, vocab_size=300, seed=1, as_text=True, dist="round-robin")
+    assert [m["role"] for m in reqs[0].messages] == ["system", "user"]
+    assert reqs[0].messages[0]["content"] == reqs[2].messages[0]["content"] != reqs[1].messages[0]["content"]
+    assert len(reqs[0].messages[0]["content"].split()) == 6 and reqs[0].prompt.startswith(reqs[0].messages[0]["content"])
