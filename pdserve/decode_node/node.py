@@ -55,6 +55,7 @@ from pdserve.engine.request import Request, child_id
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.receiver import KVEventKind
 from pdserve.node.faults import FaultInjection
+from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.local_requests import LocalRequests, outstanding_prompt_tokens
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.requests import NodeRequests, Stage, table_of
@@ -97,6 +98,8 @@ class DecodeNode:
         # node: admission (`max_queue_len` waiting in the engine), first tokens, decoding here.
         self.local = LocalRequests(engine, link, self.requests, self.node_id, max_queue_len=max_queue_len)
         self.steps: StepSamples = getattr(link, "step_samples", None) or StepSamples()  # for the heartbeats
+        # What its prefix cache stores and evicts, to every router (node/kv_events.py).
+        self.kv_events = KVEventPublisher(engine.scheduler.block_manager, self.node_id)
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, "decode")
         self.metrics.watch(self.metrics_snapshot)
 
@@ -111,6 +114,7 @@ class DecodeNode:
         if self.scheduler.has_runnable():
             self._step()
         self.link.maybe_heartbeat(self.heartbeat)
+        self.kv_events.publish(self.link)
 
     def is_idle(self) -> bool:
         return len(self.requests) == 0  # remote-KV states included

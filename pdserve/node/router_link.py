@@ -20,6 +20,7 @@ from pdserve.protocol.messages import (
     MAX_MESSAGE_BYTES,
     Deregister,
     Heartbeat,
+    KVResync,
     Message,
     MessageError,
     Register,
@@ -59,6 +60,8 @@ class RouterLink:
         self.curve = curve  # protocol.curve.CurveKeys: authenticate to a CURVE router
         self.num_dropped = 0  # messages dropped because the router was unreachable
         self.num_reregistered = 0
+        self.num_registers = 0  # Registers sent: the KV event publisher snapshots after each (node/kv_events.py)
+        self.kv_resync = False  # the router asked for a snapshot of the caches (KVResync)
         self.sock = self._socket(register.node_id)
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.connected: bool | None = None  # as the monitor last said (None: no event yet)
@@ -87,6 +90,7 @@ class RouterLink:
 
     def register(self) -> None:
         self.send(self.register_msg)
+        self.num_registers += 1
         self.registered = True
         if self._thread is None:
             self._thread = threading.Thread(target=self._beat, daemon=True, name="heartbeat")
@@ -163,6 +167,9 @@ class RouterLink:
                     logger.info("the router does not know us (%s): registering again", msg.reason)
                     self.num_reregistered += 1
                     self.send(self.register_msg)
+                    self.num_registers += 1
+            elif isinstance(msg, KVResync):
+                self.kv_resync = True
             else:
                 out.append(msg)
 

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.node.faults import FaultInjection
+from pdserve.node.kv_events import KVEventPublisher
 from pdserve.node.local_requests import LocalRequests
 from pdserve.node.metrics import NodeMetrics, NodeSnapshot, engine_snapshot
 from pdserve.node.requests import NodeRequests, Stage, table_of
@@ -89,6 +90,8 @@ class PrefillNode:
         # Prefill and the colocated path (admit, first tokens, decoding here): node/local_requests.py
         self.local = LocalRequests(engine, link, self.requests, self.node_id, max_queue_len=max_queue_len)
         self.steps: StepSamples = getattr(link, "step_samples", None) or StepSamples()  # for the heartbeats
+        # What its prefix cache stores and evicts, to every router (node/kv_events.py).
+        self.kv_events = KVEventPublisher(engine.scheduler.block_manager, self.node_id)
         self.metrics = metrics if metrics is not None else NodeMetrics(self.node_id, role)
         self.metrics.watch(self.metrics_snapshot)
         # KVSender (None when colocated only); it calls back into this node, so it is made here, last.
@@ -104,6 +107,7 @@ class PrefillNode:
         if self.engine.has_unfinished():
             self._step()
         self.link.maybe_heartbeat(self.heartbeat)
+        self.kv_events.publish(self.link)
 
     def is_idle(self) -> bool:
         return len(self.requests) == 0

@@ -39,4 +39,7 @@ class ChoiceGroup:
             c.interrupt(error)
 
     def usage(self) -> dict:
-        return usage(len(self.choices[0].prompt_token_ids), sum(len(c.output_token_ids) for c in self.choices))
+        first = self.choices[0]
+        prompt = len(first.prompt_token_ids)
+        return usage(prompt, sum(len(c.output_token_ids) for c in self.choices),
+                     min(prompt, first.timing.num_cached_tokens))

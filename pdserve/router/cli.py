@@ -47,7 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without a heartbeat before a node is dropped (default: %(default)s)")
     p.add_argument("--prefix-affinity", action="store_true",
-                   help="route equal prompt prefixes to the same prefill node (default: off, least loaded)")
+                   help="while no node reports its cache (KV events; prefix caching off on every node): route "
+                        "equal prompt prefixes to the same prefill node by hashing the first 64 tokens (default: "
+                        "off, least loaded). Nodes that report are routed by what their caches hold")
+    p.add_argument("--cached-prefill-max-tokens", type=_non_negative_int, default=256, metavar="N",
+                   help="a prompt whose prefix its decode node's cache holds (a conversation's next turn), with at "
+                        "most N tokens left to compute, is prefilled on that decode node: no KV moves; 0: off "
+                        "(default: %(default)s)")
     g = p.add_argument_group("disaggregation and planning")
     g.add_argument("--disagg-policy", choices=POLICIES, default="always",
                    help="where each request is prefilled: 'always' on a prefill node (KV handed to a decode "
@@ -135,6 +141,7 @@ def planning(args: argparse.Namespace):
 
     slo_tpot_s = args.slo_tpot_ms / 1e3
     path = PathPolicy(args.disagg_policy, args.local_prefill_max_tokens,
+                      cached_prefill_max_tokens=args.cached_prefill_max_tokens,
                       slo_tpot_s=slo_tpot_s if args.planner else None,
                       slo_ttft_s=args.slo_ttft_ms / 1e3 if args.planner else None)
     if not args.planner or (args.api_server_index or 0) != 0:

@@ -31,6 +31,13 @@ speed.MIN_SAMPLES) is never chosen for a local prefill by auto: the classic spli
 default until there is data. With no ready prefill node at all, a request is prefilled on its
 decode node whatever the policy but `always`, which answers 503 as before.
 
+Cached prefixes (router/kv_index.py). Token counts above are the tokens each node has to
+compute: the prompt less the prefix that node's cache holds. And whatever the policy, a prompt
+whose prefix the chosen decode node holds, with at most `--cached-prefill-max-tokens` tokens
+(default 256) left to compute, is prefilled there (`choose_cached`, reason "cached"): a
+conversation's next turn computes only its new tokens, on the node that holds the history, and
+no KV moves. 0 turns that off.
+
 `choose` is a pure function of the node views it is given, so the fleet simulator
 (benchmarks/fleet_sim.py) runs exactly this code.
 """
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 from pdserve.router.speed import StepModel
 
 POLICIES = ("always", "never", "auto")
+DEFAULT_CACHED_PREFILL_MAX_TOKENS = 256
 DEFAULT_HANDOFF_S_PER_TOKEN = 2e-6  # before any hand-off was measured: a same-host copy of a small model's KV
 
 
@@ -60,7 +68,7 @@ class NodeLoad:
 class PathChoice:
     local: bool
     reason: str  # for the log and the metrics' label: "policy", "length", "cost", "tpot_slo", "ttft_slo",
-    # "no_prefill_node", "unknown_speed"
+    # "no_prefill_node", "unknown_speed", "cached"
     remote_ttft_s: float | None = None
     local_ttft_s: float | None = None
 
@@ -73,36 +81,54 @@ class PathPolicy:
     slo_ttft_s: float | None = None
     handoff_s_per_token: float = DEFAULT_HANDOFF_S_PER_TOKEN
     expected_output_tokens: float = 128.0  # a request's output, for the TPOT cost; the planner keeps it current
+    cached_prefill_max_tokens: int = DEFAULT_CACHED_PREFILL_MAX_TOKENS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"--disagg-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.local_prefill_max_tokens is not None and self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.cached_prefill_max_tokens < 0:
+            raise ValueError(f"--cached-prefill-max-tokens must be >= 0, got {self.cached_prefill_max_tokens}")
 
-    def choose(self, prompt_tokens: int, decode: NodeLoad, prefill: NodeLoad | None) -> PathChoice:
-        """Local (prefill on `decode`) or remote (on `prefill`; None: no ready prefill node)."""
+    def choose_cached(self, prompt_tokens: int, decode_cached: int, decode_queue_full: bool = False) -> PathChoice | None:
+        """Local ("cached") when the decode node holds a prefix of the prompt and at most
+        `cached_prefill_max_tokens` are left to compute there; None: no opinion."""
+        if decode_queue_full or decode_cached <= 0 or self.cached_prefill_max_tokens <= 0:
+            return None
+        if prompt_tokens - decode_cached > self.cached_prefill_max_tokens:
+            return None
+        return PathChoice(True, "cached")
+
+    def choose(self, prompt_tokens: int, decode: NodeLoad, prefill: NodeLoad | None, *,
+               decode_cached: int = 0, prefill_cached: int = 0) -> PathChoice:
+        """Local (prefill on `decode`) or remote (on `prefill`; None: no ready prefill node).
+        `decode_cached`/`prefill_cached`: leading prompt tokens each node's cache holds."""
         if prefill is None:
             return PathChoice(True, "no_prefill_node")
         if self.policy == "never":
             return PathChoice(True, "policy")
+        cached = self.choose_cached(prompt_tokens, decode_cached)
+        if cached is not None:
+            return cached
         if self.policy == "always":
             return PathChoice(False, "policy")
+        local_tokens, remote_tokens = prompt_tokens - decode_cached, prompt_tokens - prefill_cached
         if self.local_prefill_max_tokens is not None:
-            return PathChoice(prompt_tokens <= self.local_prefill_max_tokens, "length")
+            return PathChoice(local_tokens <= self.local_prefill_max_tokens, "length")
         if not decode.speed.known:
             return PathChoice(False, "unknown_speed")
-        remote = prefill.speed.prefill_s(prefill.outstanding_prompt_tokens + prompt_tokens)
-        handoff = self.handoff_s_per_token * prompt_tokens
+        remote = prefill.speed.prefill_s(prefill.outstanding_prompt_tokens + remote_tokens)
+        handoff = self.handoff_s_per_token * prompt_tokens  # the whole prompt's KV moves
         d = decode.speed
-        local = d.prefill_s(decode.outstanding_prompt_tokens + prompt_tokens, decode_seqs=decode.running,
+        local = d.prefill_s(decode.outstanding_prompt_tokens + local_tokens, decode_seqs=decode.running,
                             context_tokens=decode.context_tokens)
         if self.slo_tpot_s is not None and decode.running > 0:
             # The running requests' TPOT with this prompt's chunks in D's steps: each chunk step is
             # slower by (mixed - base), spread over a request's output tokens.
             base = d.decode_step_s(decode.running, decode.context_tokens)
-            mixed = d.step_s(min(prompt_tokens, d.chunk), decode.running, decode.context_tokens)
-            chunks = -(-(decode.outstanding_prompt_tokens + prompt_tokens) // max(1, d.chunk))
+            mixed = d.step_s(min(local_tokens, d.chunk), decode.running, decode.context_tokens)
+            chunks = -(-(decode.outstanding_prompt_tokens + local_tokens) // max(1, d.chunk))
             tpot = base + chunks * (mixed - base) / max(1.0, self.expected_output_tokens)
             rescue = (self.slo_ttft_s is not None and remote > self.slo_ttft_s >= local)
             if tpot > self.slo_tpot_s and not rescue:

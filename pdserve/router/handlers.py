@@ -6,6 +6,8 @@
                 reconcile: a request the node lists that the router does not place there is
                 aborted on it; a heartbeat from a node the router does not know gets Reregister
     Deregister  drop the node (it drained first); anything it still held is re-dispatched
+    KVEvents    what the node's prefix cache stored and evicted: into the index (kv_index.py); a
+                gap in its sequence gets KVResync (the node answers with a snapshot)
     FirstToken  output index 0 of a request: ends the prompt-token accounting on the prefill node
     TokenBatch  tokens with index >= 1 of requests the sending node holds (others are dropped);
                 a token with finish_reason ends the request
@@ -46,6 +48,8 @@ from pdserve.protocol.messages import (
     Error,
     FirstToken,
     Heartbeat,
+    KVEvents,
+    KVResync,
     Message,
     MessageError,
     Register,
@@ -86,7 +90,7 @@ class NodeMessages:
         self._reregister_sent: dict[str, float] = {}  # node id → when we last asked it to register
 
     _HANDLERS = {Register: "on_register", Heartbeat: "on_heartbeat", Deregister: "on_deregister",
-                 FirstToken: "on_first_token", TokenBatch: "on_token_batch", Error: "on_error"}
+                 KVEvents: "on_kv_events", FirstToken: "on_first_token", TokenBatch: "on_token_batch", Error: "on_error"}
 
     async def on_message(self, identity: bytes, msg: Message, peer_key: str | None = None) -> None:
         name = self._HANDLERS.get(type(msg))
@@ -186,6 +190,18 @@ class NodeMessages:
             logger.info("node %s deregistered", msg.node_id)
             await self.redispatcher.node_lost(node, f"node {msg.node_id} left")
 
+    async def on_kv_events(self, identity: bytes, msg: KVEvents) -> None:
+        node = self.registry.nodes.get(msg.node_id)
+        if node is None:
+            return  # not registered (its Register is on the way, or it was dropped): a snapshot follows a Register
+        if self.registry.kv_index.apply(msg):
+            self.metrics.observe_kv_events(msg, self.registry.kv_index)
+            return
+        logger.info("node %s: a gap in its KV events (seq %d after %d): asking for a snapshot", msg.node_id,
+                    msg.prev_seq, self.registry.kv_index.nodes[msg.node_id].seq)
+        self.metrics.observe_resync()
+        await self.dispatcher.send(node, KVResync("a gap in the KV events"))
+
     async def on_first_token(self, identity: bytes, msg: FirstToken) -> None:
         req = self.table.attempt(msg.request_id)
         if req is None:
@@ -193,6 +209,7 @@ class NodeMessages:
         self.table.first_token(req)
         req.timing.prefill_queued_s, req.timing.prefill_s = msg.queued_s, msg.prefill_s
         req.timing.num_cached_tokens = msg.num_cached_tokens
+        self.metrics.observe_cached(msg.num_cached_tokens)
         delivered_before = req.timing.first_token is not None  # a duplicate FirstToken is dropped
         await self.dispatcher.deliver(req, Token(msg.request_id, 0, msg.token_id, msg.logprobs, msg.finish_reason))
         if not delivered_before and req.timing.first_token is not None:

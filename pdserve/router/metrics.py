@@ -10,6 +10,9 @@ When each is recorded, and why there:
     request ended            e2e latency, TPOT, ITL, generation tokens, success by finish reason
     error returned           errors by HTTP status (a 4xx/5xx response or an SSE error event)
     request re-dispatched    retries (a node died, a KV transfer failed)
+    KVEvents applied         staleness (sent → applied), events, resyncs; index size at scrape;
+                             prefix tokens: prompt, expected cached by the index at routing,
+                             cached as the prefill node reported (FirstToken)
     peer refused             auth refusals by reason (control socket: unknown_key from the ZAP
                              thread, no_curve / handshake from its monitor; node_id_taken from
                              the handlers); prometheus_client counters are thread-safe
@@ -55,6 +58,8 @@ COMMON_ERROR_CODES = ("400", "401", "404", "413", "429", "500", "503")  # pre-cr
 TTFT_STAGES = ("router_queue", "prefill_queue", "prefill", "first_token_delivery")
 ROUTER_STAGES = ("decode", "detokenize", "sse", "write")
 SHED_REASONS = ("loop_lag", "control_backlog", "in_flight_limit")
+STALENESS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+PREFIX_KINDS = ("prompt", "expected", "cached")
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -113,6 +118,18 @@ class RouterMetrics:
                              "(for an HPA or KEDA to act on)", ["pool"], registry=r)
         self.split = Gauge("pdserve_planner_split", "Nodes the planner wants in each role among the nodes "
                            "there are", ["role"], registry=r)
+        self.kv_staleness = Histogram("pdserve_router_kv_event_staleness_seconds", "KVEvents: the node's send "
+                                      "to the router's index applying them", registry=r, buckets=STALENESS_BUCKETS)
+        self.kv_events = Counter("pdserve_router_kv_events", "Block keys applied to the KV index, by op "
+                                 "(stored, removed)", ["op"], registry=r)
+        self.kv_resyncs = Counter("pdserve_router_kv_resyncs", "Snapshots asked of nodes after a gap in their "
+                                  "KV events", registry=r)
+        self.prefix_tokens = Counter("pdserve_router_prefix_tokens", "Prompt tokens of routed requests "
+                                     "(prompt), of those the index expected cached on the prefill node "
+                                     "(expected), and cached as the prefill node reported (cached): hit rate = "
+                                     "cached / prompt", ["kind"], registry=r)
+        for kind in PREFIX_KINDS:
+            self.prefix_tokens.labels(kind=kind)
         self.stage_seconds = dict.fromkeys(ROUTER_STAGES, 0.0)  # add_stage; exported at scrape
         self.stage_tokens = dict.fromkeys(ROUTER_STAGES, 0)
 
@@ -176,6 +193,26 @@ class RouterMetrics:
         path = "local" if route.local else "remote"
         reason = route.path.reason if route.path is not None else ("colocated" if route.local else "classic")
         self.paths.labels(path=path, reason=reason).inc()
+        if route.prompt_tokens:
+            self.prefix_tokens.labels(kind="prompt").inc(route.prompt_tokens)
+            self.prefix_tokens.labels(kind="expected").inc(route.cached_tokens)
+
+    def observe_cached(self, num_cached_tokens: int) -> None:
+        """The prefill node's FirstToken: prompt tokens its cache held."""
+        if num_cached_tokens > 0:
+            self.prefix_tokens.labels(kind="cached").inc(num_cached_tokens)
+
+    def observe_kv_events(self, msg, index) -> None:
+        """A KVEvents applied to `index` (kv_index.KVIndex, which measured its staleness)."""
+        if msg.stored:
+            self.kv_events.labels(op="stored").inc(len(msg.stored))
+        if msg.removed:
+            self.kv_events.labels(op="removed").inc(len(msg.removed))
+        if msg.sent_at and index.last_staleness_s is not None:
+            self.kv_staleness.observe(index.last_staleness_s)
+
+    def observe_resync(self) -> None:
+        self.kv_resyncs.inc()
 
     def observe_role_change(self, from_role: str, to_role: str) -> None:
         self.role_changes.labels(from_role=from_role, to_role=to_role).inc()

@@ -23,6 +23,22 @@ is not seen yet, and admission stays the node's decision. With one router the he
 nothing beyond its own requests. New requests only go to unsaturated nodes; when every ready node of a role is
 saturated, `route` raises `OverloadedError` (the client gets 429 + Retry-After). A re-dispatched
 request (its node died) ignores the limits: it is already streaming.
+
+Caches (kv_index.py: the exact index the nodes' KVEvents feed). Once some candidate node has
+reported its cache, routing reads it:
+
+- prefill node: the least expected time to the first token, `prefill_s(queue + uncached
+  tokens)` with each node's fitted speed (the fleet's while its own is unknown; queued and
+  uncached tokens when no speed is known yet), so a node holding the prompt's prefix wins
+  unless its queue costs more than the prefix saves;
+- decode node: among those within `DECODE_SLACK` of the least loaded (running + queued
+  requests), the one holding the longest prefix of the prompt, then the most free blocks;
+- the path (disagg.py): the decode node prefills the prompt itself when it holds the prefix
+  and the rest is short (`cached`, a follow-up turn of a conversation it decoded), so only the
+  new tokens are computed and no KV moves.
+
+With no node reporting (prefix caching off everywhere), `--prefix-affinity` is the fallback:
+rendezvous hashing of the first 64 prompt tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ from dataclasses import dataclass, field
 
 from pdserve.protocol.messages import Heartbeat, Register
 from pdserve.router.disagg import NodeLoad, PathChoice, PathPolicy
+from pdserve.router.kv_index import KVIndex, prompt_keys
 from pdserve.router.speed import WINDOW, StepModel
 
 PREFILL_ROLES = ("prefill", "both")
@@ -43,6 +60,7 @@ AFFINITY_PREFIX_LEN = 64  # prompt tokens hashed for prefix affinity
 DEFAULT_BLOCK_SIZE = 16  # for the block estimate when a node did not say
 DEFAULT_MAX_NUM_SEQS = 256  # a node's running batch, when it did not say
 DEFAULT_MAX_QUEUE = 256  # requests queued per node beyond what it runs
+DECODE_SLACK = 4  # requests more than the least loaded decode node a node may run and still win by its cache
 
 
 @dataclass
@@ -131,6 +149,8 @@ class Route:
     prefill: NodeInfo
     decode: NodeInfo | None
     path: PathChoice | None = None  # how a non-"always" policy chose (None: the classic split, unasked)
+    prompt_tokens: int = 0  # the prompt's length, and the leading tokens the index expects cached where it is
+    cached_tokens: int = 0  # prefilled (0: nothing known)
 
     @property
     def local(self) -> bool:
@@ -163,12 +183,14 @@ class Registry:
         self.prefix_affinity = prefix_affinity
         self.affinity_slack_tokens = affinity_slack_tokens  # extra load a node may carry and still win by affinity
         self.nodes: dict[str, NodeInfo] = {}
+        self.kv_index = KVIndex()  # what every node's prefix cache holds (their KVEvents)
 
     # ---- membership -------------------------------------------------------------------------
     def register(self, msg: Register, identity: bytes, now: float | None = None) -> NodeInfo | None:
         """Add or replace a node; returns the entry it replaced, if any."""
         old = self.nodes.get(msg.node_id)
         new = self.nodes[msg.node_id] = NodeInfo(msg, identity, _now(now))
+        self.kv_index.reset_node(msg.node_id)  # its snapshot follows the Register
         if old is not None:  # the same machine, whatever became of the process: its speed holds
             new.speed = old.speed
         return old
@@ -189,6 +211,7 @@ class Registry:
         new.request_ids, new.outstanding_prompt_tokens = old.request_ids, old.outstanding_prompt_tokens
 
     def remove(self, node_id: str) -> NodeInfo | None:
+        self.kv_index.drop(node_id)
         return self.nodes.pop(node_id, None)
 
     def expire(self, now: float | None = None) -> list[NodeInfo]:
@@ -197,6 +220,7 @@ class Registry:
         dead = [n for n in self.nodes.values() if n.last_seen < deadline]
         for node in dead:
             del self.nodes[node.node_id]
+            self.kv_index.drop(node.node_id)
         return dead
 
     def ready_nodes(self, roles: Sequence[str]) -> list[NodeInfo]:
@@ -225,33 +249,61 @@ class Registry:
         Under `--disagg-policy never|auto` the decode node is picked first, and the path policy
         (disagg.py) says whether it prefills the request itself (`Route(decode, None)`) or a
         prefill node does."""
+        hits = PromptHits(self.kv_index, prompt_token_ids)
         if self.path.policy != "always":
-            return self._route_by_path(prompt_token_ids, ignore_limits)
-        prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits)
+            route = self._route_by_path(prompt_token_ids, ignore_limits, hits)
+        else:
+            route = self._route_split(prompt_token_ids, ignore_limits, hits)
+        route.prompt_tokens = len(prompt_token_ids)
+        if self.kv_index.knows((route.prefill.node_id,)):
+            route.cached_tokens = hits.tokens_on(route.prefill)
+        return route
+
+    def _route_split(self, prompt_token_ids: Sequence[int], ignore_limits: bool, hits: PromptHits) -> Route:
+        prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits, hits=hits)
         if prefill.role == "both":
             return Route(prefill, None)
-        decoders = self._candidates(DECODE_ROLES, "decode", ignore_limits)
-        decode = min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
+        decode = self.pick_decode(ignore_limits, hits)
+        if decode.role == "decode" and self.kv_index.knows((decode.node_id,)):
+            # A follow-up turn whose history the decode node holds: prefill only the rest there.
+            choice = self.path.choose_cached(len(prompt_token_ids), hits.tokens_on(decode),
+                                             not ignore_limits and decode.is_saturated("prefill", self.max_queue))
+            if choice is not None:
+                return Route(decode, None, choice)
         return Route(prefill, decode)
 
-    def _route_by_path(self, prompt_token_ids: Sequence[int], ignore_limits: bool) -> Route:
-        decoders = self._candidates(DECODE_ROLES, "decode", ignore_limits)
-        decode = min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
+    def _route_by_path(self, prompt_token_ids: Sequence[int], ignore_limits: bool, hits: PromptHits) -> Route:
+        decode = self.pick_decode(ignore_limits, hits)
         if decode.role == "both":
             return Route(decode, None)
         try:
-            prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits, roles=("prefill",))
+            prefill = self.pick_prefill(prompt_token_ids, ignore_limits=ignore_limits, roles=("prefill",), hits=hits)
         except (NoNodeError, OverloadedError):  # none, or all full: the decode node prefills it
             prefill = None
         if prefill is not None and not ignore_limits and decode.is_saturated("prefill", self.max_queue):
             return Route(prefill, decode)  # the decode node's own prefill queue is full
         fleet = self.fleet_speed
-        choice = self.path.choose(len(prompt_token_ids), decode.load(fleet), prefill.load(fleet) if prefill else None)
+        choice = self.path.choose(len(prompt_token_ids), decode.load(fleet), prefill.load(fleet) if prefill else None,
+                                  decode_cached=hits.tokens_on(decode),
+                                  prefill_cached=hits.tokens_on(prefill) if prefill else 0)
         return Route(decode, None, choice) if choice.local else Route(prefill, decode, choice)
 
+    def pick_decode(self, ignore_limits: bool = False, hits: PromptHits | None = None) -> NodeInfo:
+        """The decode node: the most free blocks (ties: fewest running, then node id); once the
+        caches are known, the longest cached prefix among those within DECODE_SLACK requests of
+        the least loaded, then the most free blocks."""
+        decoders = self._candidates(DECODE_ROLES, "decode", ignore_limits)
+        if hits is None or len(decoders) == 1 or not self.kv_index.knows(n.node_id for n in decoders):
+            return min(decoders, key=lambda n: (-n.free_blocks, _num_running(n), n.node_id))
+        least = min(n.decode_load for n in decoders)
+        near = [n for n in decoders if n.decode_load <= least + DECODE_SLACK]
+        return min(near, key=lambda n: (-hits.tokens_on(n), -n.free_blocks, _num_running(n), n.node_id))
+
     def pick_prefill(self, prompt_token_ids: Sequence[int], *, ignore_limits: bool = False,
-                     roles: Sequence[str] = PREFILL_ROLES) -> NodeInfo:
+                     roles: Sequence[str] = PREFILL_ROLES, hits: PromptHits | None = None) -> NodeInfo:
         candidates = self._candidates(roles, "prefill", ignore_limits)
+        if hits is not None and len(candidates) > 1 and self.kv_index.knows(n.node_id for n in candidates):
+            return self._least_ttft(candidates, len(prompt_token_ids), hits)
         least = min(n.prefill_load for n in candidates)
         if not self.prefix_affinity:
             return min(candidates, key=lambda n: (n.prefill_load, n.node_id))
@@ -260,6 +312,21 @@ class Registry:
         near = [n for n in candidates if n.prefill_load <= least + self.affinity_slack_tokens]
         prefix = bytes(str(list(prompt_token_ids[:AFFINITY_PREFIX_LEN])), "ascii")
         return max(near, key=lambda n: hashlib.blake2b(prefix + n.node_id.encode(), digest_size=8).digest())
+
+    def _least_ttft(self, candidates: list[NodeInfo], prompt_len: int, hits: PromptHits) -> NodeInfo:
+        """The least expected time to the first token: queued + uncached tokens at each node's
+        speed (the fleet's while its own is unknown); in tokens while no speed is known."""
+        fleet = self.fleet_speed
+        speeds = [n.speed if n.speed.known else fleet for n in candidates]
+        timed = all(s.known for s in speeds)
+
+        def cost(i: int) -> float:
+            node = candidates[i]
+            tokens = node.prefill_load + prompt_len - hits.tokens_on(node)
+            return speeds[i].prefill_s(tokens) if timed and tokens > 0 else float(tokens)
+
+        best = min(range(len(candidates)), key=lambda i: (cost(i), candidates[i].prefill_load, candidates[i].node_id))
+        return candidates[best]
 
     def _candidates(self, roles: Sequence[str], role: str, ignore_limits: bool) -> list[NodeInfo]:
         ready = self.ready_nodes(roles)
@@ -294,6 +361,28 @@ class Registry:
             if node is not None:
                 node.outstanding_prompt_tokens.pop(request_id, None)
                 node.request_ids.discard(request_id)
+
+
+class PromptHits:
+    """One request's view of the index: its cached prefix on each node, keys hashed once per
+    block size, looked up once per node."""
+
+    def __init__(self, index: KVIndex, token_ids: Sequence[int]) -> None:
+        self.index = index
+        self.token_ids = token_ids
+        self._keys: dict[int, list[int]] = {}
+        self._tokens: dict[str, int] = {}
+
+    def tokens_on(self, node: NodeInfo) -> int:
+        """Leading prompt tokens `node` holds in its caches (0 when it reported nothing)."""
+        n = self._tokens.get(node.node_id)
+        if n is None:
+            bs = node.register.block_size or DEFAULT_BLOCK_SIZE
+            keys = self._keys.get(bs)
+            if keys is None:
+                keys = self._keys[bs] = prompt_keys(self.token_ids, bs)
+            n = self._tokens[node.node_id] = self.index.cached_tokens(node.node_id, keys, bs)
+        return n
 
 
 def _now(now: float | None) -> float:

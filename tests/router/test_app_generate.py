@@ -30,7 +30,8 @@ def test_completion_plain_and_streamed_agree(tokenizer):
             (choice,) = body["choices"]
             assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
             prompt_ids = tokenizer.encode("hello")
-            assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+            assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
             events = await h.stream("/v1/completions", {"prompt": "hello", "max_tokens": 7})
             assert events[-1] == "[DONE]" and "usage" not in events[0]
             assert stream_text(events) == choice["text"]
@@ -49,7 +50,8 @@ def test_streamed_usage_chunk(tokenizer):
                                                         "stream_options": {"include_usage": True}})
             *chunks, usage, done = events
             assert done == "[DONE]" and usage["choices"] == []
-            assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+            assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
             assert all(c["usage"] is None for c in chunks)
 
     run(scenario())
