@@ -18,6 +18,14 @@ One paragraph per module:
   `benchmarks/compare.py` sets beside the disaggregated and colocated stacks.
 - `chaos.py` kills or freezes random nodes during a run (`--chaos-interval`) and reports every
   request's fate; `json_out.py` writes strict JSON.
+- The prefix-cache workloads: `conversations.py` runs multi-turn conversations (`--dataset-name
+  conversation`: each turn's prompt is the previous prompt, its reply and a new user message, in token
+  ids, with a think time between turns), `datasets.py` builds `system-prompt` (a few long system
+  prompts shared by many users). `prefix_metrics.py` adds their figures to the summary: the prefix hit
+  rate the server reports (`usage.prompt_tokens_details.cached_tokens`), the oracle's
+  (`prefix_oracle.py`: the run's exact token ids replayed through one pooled LRU prefix cache the size
+  of the fleet's KV pools), recomputed tokens and KV bytes received per request (`fleet_probe.py`
+  reads the router's `GET /nodes` and the nodes' Prometheus counters), TTFT of first vs follow-up turns.
 
 The harness that starts a local stack or the compose stack for the benchmarks and the end-to-end
 tests is not installed with the package: `benchmarks/harness/`.

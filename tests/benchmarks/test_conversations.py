@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 
 import pytest
 from aiohttp import web
@@ -21,7 +22,6 @@ from pdserve.bench.runner import BenchmarkRun, LoadConfig
 from pdserve.cli.serve import free_port
 from tests.benchmarks.conftest import run
 from tests.benchmarks.fake_openai import ServerThread
-
 
 # ---- the oracle --------------------------------------------------------------------------------
 
@@ -349,3 +349,34 @@ def test_missing_cached_tokens_and_no_nodes_report_na(fake, tmp_path, capsys):
 def test_fleet_snapshot_of_a_server_without_nodes(fake):
     assert fleet_snapshot(fake.url) is None
     assert fleet_snapshot(f"http://127.0.0.1:{free_port()}", timeout=2) is None
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_conversations_against_a_real_stack(tmp_path):
+    """A tiny-model router + prefill + decode: every turn succeeds, the follow-ups hit the prefill
+    node's prefix cache, the fleet's pools size the oracle and the decode node's counter gives bytes."""
+    from benchmarks.harness.stack import Stack
+    from pdserve.bench.cli import main
+    from tests.conftest import save_tiny_model, save_tiny_tokenizer
+
+    model = tmp_path / "tiny"
+    save_tiny_model(model, "llama")
+    save_tiny_tokenizer(model)
+    stack = Stack(model=str(model), extra=["--kv-cache-memory-gb", "0.1"])
+    try:
+        code = main(["serve", "--base-url", stack.url, "--dataset-name", "conversation", "--num-conversations", "4",
+                     "--conversation-turns", "3", "--conversation-history-tokens", "64", "--conversation-new-tokens",
+                     "8", "--random-output-len", "8", "--random-vocab-size", "256", "--max-concurrency", "2",
+                     "--think-time", "0.05", "--num-warmups", "1", "--disable-tqdm", "--save-json", str(tmp_path / "c.json")])
+        nodes = json.loads(urllib.request.urlopen(stack.url + "/nodes", timeout=10).read())["nodes"]
+    finally:
+        stack.close()
+    assert code == 0
+    run_ = json.loads((tmp_path / "c.json").read_text())["runs"][0]
+    s = run_["summary"]
+    assert s["completed"] == 12 and s["num_followup_turns"] == 8
+    assert s["oracle_cache_blocks"] == sum(n["num_total_blocks"] for n in nodes)
+    assert s["kv_bytes_per_request"] > 0 and 0 < s["oracle_hit_rate_followup"] <= 1
+    if s["prefix_hit_rate"] is not None:  # the router reports usage.prompt_tokens_details.cached_tokens
+        assert s["prefix_hit_rate_followup"] > 0.5 and s["prefix_hit_rate"] <= s["oracle_hit_rate"] + 1e-9
