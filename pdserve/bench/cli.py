@@ -78,6 +78,7 @@ CONVERSATION_DEFAULTS = {"num_conversations": 100, "conversation_turns": 4, "con
 SYSTEM_PROMPT_DEFAULTS = {"num_system_prompts": 4, "system_prompt_len": 1024, "system_prompt_dist": "uniform"}
 ORACLE_DEFAULTS = {"oracle_block_size": DEFAULT_BLOCK_SIZE}
 DEFAULT_NUM_PROMPTS = 1000
+PREFIX_RESEED = 7919  # seed step between the prefix workloads drawn for successive rates
 DEFAULT_INPUT_LEN = {"system-prompt": 128}  # else 1024
 
 
@@ -301,8 +302,17 @@ def workload_source(args: argparse.Namespace, tokenizer, is_chat: bool):
             return drawn[rate]
         return shifting
     if args.dataset_name in PREFIX_DATASETS:
-        work = prefix_workload(args, tokenizer, is_chat)
-        return lambda rate: work
+        # A fresh draw per rate (the first with --seed itself): a later rate of a sweep or a later probe
+        # of the goodput search must not find the earlier runs' prompts in the prefix cache.
+        prefix_drawn: dict[float, Workload] = {}
+
+        def prefix(rate: float) -> Workload:
+            if rate not in prefix_drawn:
+                seed = args.seed + PREFIX_RESEED * len(prefix_drawn)
+                prefix_drawn[rate] = prefix_workload(argparse.Namespace(**{**vars(args), "seed": seed}), tokenizer,
+                                                     is_chat)
+            return prefix_drawn[rate]
+        return prefix
     work = Workload(build_samples(args, tokenizer, is_chat))
     return lambda rate: work
 

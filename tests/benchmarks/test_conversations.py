@@ -380,3 +380,17 @@ def test_conversations_against_a_real_stack(tmp_path):
     assert s["kv_bytes_per_request"] > 0 and 0 < s["oracle_hit_rate_followup"] <= 1
     if s["prefix_hit_rate"] is not None:  # the router reports usage.prompt_tokens_details.cached_tokens
         assert s["prefix_hit_rate_followup"] > 0.5 and s["prefix_hit_rate"] <= s["oracle_hit_rate"] + 1e-9
+
+
+def test_each_rate_of_a_sweep_draws_fresh_conversations(prefix_fake, tmp_path, capsys):
+    out = tmp_path / "sweep.json"
+    from pdserve.bench.cli import main
+
+    assert main(["serve", "--base-url", prefix_fake.url, "--disable-tqdm", "--save-json", str(out), "--sweep", "50,inf",
+                 "--plot", str(tmp_path), *CONVERSATION]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["request_rate"] for r in runs] == ["50", "inf"]
+    for run_ in runs:  # the second rate's first turns find nothing of the first rate's in the cache
+        assert all(r["cached_tokens"] == 0 for r in run_["requests"] if r["turn"] == 0)
+        assert run_["summary"]["oracle_hit_rate"] == pytest.approx(run_["summary"]["prefix_hit_rate"])
+    capsys.readouterr()
