@@ -34,9 +34,11 @@ forwards it to its KVEventLog as tier "disk" (the KVEvents protocol knows "memor
 
 A remote store (Mooncake Store, LMCache's server, a Redis of blocks) plugs in by implementing the
 same `KVTier` interface: `put(key, data)` (store the block's bytes; may evict and must report the
-keys it drops to `listener`), `get(key)` (the bytes, verified, or None), `__contains__` / `keys()`
-(a local view of what it holds: the chain walk asks per block, so it must be cheap, e.g. a
-key set kept from its own put/evict notifications), `drop(key)`, `close()`. Keys are the node's
+keys it drops to `listener`), `get(key)` (the bytes, verified, or None), `touch(key)`,
+`__contains__` / `keys()` (a local view of what it holds: the chain walk asks per block, so it must
+be cheap, e.g. a key set kept from its own put/evict notifications), `drop(key)`, `close()`. A
+remote get is a network round trip per block: such a store would want a batched get of the
+chain's keys (one call per prompt), which `BlockTier` could issue before loading. Keys are the node's
 own chained hashes: a store shared by several nodes must use the same block size and model.
 
     counters: hits, misses, puts, evictions, corrupt, bytes_read, bytes_written; len(tier) keys held,
@@ -365,7 +367,7 @@ class BlockTier:
         for pool, size in zip(self.pools, self._sizes):
             dst = pool[:, :, block_id]
             src = data[offset : offset + size].view(pool.dtype).view(dst.shape)
-            dst.copy_(src.to(pool.device, non_blocking=False))
+            dst.copy_(src)  # synchronous: the slot may be reused by the next put
             offset += size
         return True
 
