@@ -210,6 +210,8 @@ class DecodeNode:
             _first_tokens(request, ready, self.engine.config.max_num_seqs)
             request.timings["kv_ready_received"] = time.time()
             request.kv_lease_renewed_at = time.monotonic()  # the lease was just granted
+            # Cached blocks stand in for the transfer's first blocks only where the blocks are alike.
+            request.kv_reuse_prefix = ready.block_size == self.engine.block_manager.block_size
             self.scheduler.add_remote(request)  # refuses an id held already
         except ValueError as e:
             self._refuse(rid, str(e))
@@ -228,7 +230,9 @@ class DecodeNode:
         arrived_before = self.faults.pull_arrived_before(time.monotonic()) if self.faults is not None else None
         for request in self.scheduler.schedule_remote_kv(arrived_before=arrived_before):
             self.requests.move(request.request_id, Stage.RECEIVING_KV)
-            self.receiver.pull(request.request_id, list(self.engine.block_manager.block_ids(request.request_id)))
+            bm = self.engine.block_manager  # the blocks its prefix cache held are not pulled again
+            self.receiver.pull(request.request_id, list(bm.block_ids(request.request_id)),
+                               first_block=request.num_cached_tokens // bm.block_size)
         now = time.monotonic()
         for request in self.scheduler.waiting_for_kv:
             if now - request.kv_lease_renewed_at > LEASE_RENEW_S:

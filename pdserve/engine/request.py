@@ -82,6 +82,9 @@ class Request:
     # and when its pull started (RECEIVING_KV), for the transfer-time metric.
     kv_lease_renewed_at: float = 0.0
     kv_pull_started_at: float | None = None
+    # Remote KV: the blocks the prefix cache holds may stand in for the first blocks of the transfer
+    # (False when the sender's blocks are another size: a pull then moves every token).
+    kv_reuse_prefix: bool = True
     # Tie-break for equal arrival times: admission order is stable.
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
     # Output tokens the last engine step appended: 1, or up to k + 1 with speculative decoding.

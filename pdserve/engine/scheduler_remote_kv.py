@@ -7,6 +7,10 @@ WAITING_FOR_REMOTE_KVS). The scheduler owns those states too, and the blocks the
     add_remote ─▶ WAITING_FOR_KV ──schedule_remote_kv──▶ RECEIVING_KV ──remote_kv_done──▶ RUNNING
                   (no blocks; arrival   (blocks allocated here for the    (joins the batch: prompt KV
                    order)                prompt; the node pulls into them)  computed, first token fed next)
+
+A prompt whose leading blocks this node's prefix cache holds (a conversation's next turn, whose
+history this node decoded) takes those blocks as hits, as a local prefill would, and only the
+rest is pulled: `request.num_cached_tokens` says how many tokens the node already had.
                   remote_kv_failed / abort, from either state ─▶ FINISHED_ABORTED, blocks freed
 
 `schedule_remote_kv` starts pulls in the policy's order (arrival order, but for sjf) while
@@ -54,14 +58,16 @@ class RemoteKV:
         while self.waiting_for_kv:
             request = self.waiting_for_kv[0]
             room = self._has_seat(request, receiving=True)
+            if not room or (arrived_before is not None and request.arrival_time > arrived_before):
+                break
             # As for waiting requests: no watermark on a pool nothing else will grow into.
             reserve = bool(self.running or self.receiving_kv)
-            if not room or not bm.can_allocate(request.request_id, request.num_prompt_tokens, reserve=reserve):
-                break
-            if arrived_before is not None and request.arrival_time > arrived_before:
+            computed = bm.get_computed_blocks(request.prompt_token_ids) if request.kv_reuse_prefix else []
+            if not bm.can_allocate(request.request_id, request.num_prompt_tokens, computed, reserve=reserve):
                 break
             self.waiting_for_kv.pop(0)
-            bm.allocate(request.request_id, request.num_prompt_tokens)
+            bm.allocate(request.request_id, request.num_prompt_tokens, computed)
+            request.num_cached_tokens = len(computed) * bm.block_size
             request.status = RequestStatus.RECEIVING_KV
             request.kv_pull_started_at = time.monotonic()
             self.receiving_kv[request.request_id] = request

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -115,7 +115,9 @@ class _Incoming:
     identity: bytes  # the prefill node's connection
     ready: KVReady
     lease_deadline: float  # our (conservative) estimate of when the peer frees the blocks
-    dst_block_ids: list[int] | None = None  # set by pull()
+    dst_block_ids: list[int] | None = None  # set by pull(): the blocks the transfer fills
+    part: KVReady | None = None  # set by pull(): what is moved (the KVReady less the blocks held here already)
+    first_block: int = 0
     link: _Link | None = None  # the transport pull() chose
     pulled_at: float | None = None  # a transfer is PENDING since (its data comes as a message)
 
@@ -218,23 +220,33 @@ class KVReceiver:
         events.extend(self._check_timeouts())
         return events
 
-    def pull(self, request_id: str, dst_block_ids: list[int]) -> None:
+    def pull(self, request_id: str, dst_block_ids: list[int], first_block: int = 0) -> None:
         """Fill `dst_block_ids` (ours, allocated by the node) with the request's KV. The outcome
-        is a DONE or FAILED event from a later poll()."""
+        is a DONE or FAILED event from a later poll(). `first_block`: the first blocks of
+        `dst_block_ids` hold the prompt's prefix already (this node's prefix cache): only the
+        tokens from that block on are moved."""
         inc = self._incoming.get(request_id)
         if inc is None:
             raise KeyError(f"no announced request {request_id!r}")
         if inc.dst_block_ids is not None:
             raise ValueError(f"request {request_id!r} is already being pulled")
         error = blocks_error(dst_block_ids, inc.ready.num_tokens, self.layout)
+        if error is None and not 0 <= first_block * self.layout.block_size < inc.ready.num_tokens:
+            error = f"first_block {first_block} is past the request's {inc.ready.num_tokens} tokens"
+        if error is None and first_block and inc.ready.block_size != self.layout.block_size:
+            error = f"first_block needs the sender's block size ({inc.ready.block_size}) to be ours"
         if error is not None:
             raise ValueError(error)
-        inc.dst_block_ids = list(dst_block_ids)
+        ready = inc.ready
+        inc.first_block = first_block
+        inc.part = ready if not first_block else replace(
+            ready, block_ids=ready.block_ids[first_block:], num_tokens=ready.num_tokens - first_block * ready.block_size)
+        inc.dst_block_ids = list(dst_block_ids[first_block:])
         inc.link = self._choose_link(inc)
         if inc.link is None:
             self._events.append(self._fail(request_id, "no transport reaches the prefill node"))
             return
-        outcome = inc.link.transport.start(inc.link.handle, inc.ready, inc.dst_block_ids)
+        outcome = inc.link.transport.start(inc.link.handle, inc.part, inc.dst_block_ids, first_block=first_block)
         if outcome.state is TransferState.PENDING:
             inc.pulled_at = self.clock()
         else:
@@ -340,7 +352,7 @@ class KVReceiver:
         if inc is None or inc.identity != identity or inc.pulled_at is None:
             log.warning("dropped KVData for %s: not being pulled from that peer", data.request_id)
             return None
-        outcome = inc.link.transport.on_data(inc.link.handle, inc.ready, inc.dst_block_ids, data, frames)
+        outcome = inc.link.transport.on_data(inc.link.handle, inc.part, inc.dst_block_ids, data, frames)
         return self._finish(data.request_id, outcome)
 
     # ---- outcomes -------------------------------------------------------------------------

@@ -288,9 +288,15 @@ class KVSender:
         if error is not None:  # the decode node fails the request and acks: released then
             self._send(peer, KVData(request_id, ok=False, error=f"bad KVPull: {error}"))
             return
-        self._leases.renew(request_id)
         ready = self._requests[request_id][1]
-        payloads = [gather_heads(self.shards, start, end, ready.block_ids, ready.num_tokens) for start, end in ranges]
+        first = pull.first_block
+        if first and first * ready.block_size >= ready.num_tokens:
+            self._send(peer, KVData(request_id, ok=False, error=f"bad KVPull: first_block {first} is past the "
+                                                              f"request's {ready.num_tokens} tokens"))
+            return
+        self._leases.renew(request_id)
+        block_ids, num_tokens = ready.block_ids[first:], ready.num_tokens - first * ready.block_size
+        payloads = [gather_heads(self.shards, start, end, block_ids, num_tokens) for start, end in ranges]
         header = KVData(request_id, ok=True, dtype=self.layout.dtype, shapes=[list(p.shape) for p in payloads])
         frames = [tensor_to_frame(p) for p in payloads]
         if self._faults is not None:  # one spoiled frame fails the whole pull: the last one

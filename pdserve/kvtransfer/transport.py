@@ -100,8 +100,11 @@ class KVTransport(ABC):
         cannot reach the peer. Never raises for a peer it cannot reach."""
 
     @abstractmethod
-    def start(self, handle: Any, ready: KVReady, dst_block_ids: list[int]) -> Outcome:
-        """Move the request's tokens into `dst_block_ids` of our pool, or start to."""
+    def start(self, handle: Any, ready: KVReady, dst_block_ids: list[int], first_block: int = 0) -> Outcome:
+        """Move the request's tokens into `dst_block_ids` of our pool, or start to. `first_block`
+        > 0: the decode node holds the first blocks already; `ready` and `dst_block_ids` are then
+        the rest (the KVReady's blocks and tokens from that block on), and a transport that asks
+        the peer for the data names it."""
 
     def on_data(self, handle: Any, ready: KVReady, dst_block_ids: list[int], data: KVData, frames: list
                 ) -> Outcome:
@@ -142,7 +145,7 @@ class PeerPoolCopy(KVTransport):
             pools[rank] = pool
         return PeerPools(pools, [start for start, _ in ranges], plan)
 
-    def start(self, handle: PeerPools, ready: KVReady, dst_block_ids: list[int]) -> Outcome:
+    def start(self, handle: PeerPools, ready: KVReady, dst_block_ids: list[int], first_block: int = 0) -> Outcome:
         try:
             for shard, pieces in zip(self.shards, handle.plan, strict=True):
                 for p in pieces:

@@ -27,9 +27,9 @@ class ZmqPullTransport(KVTransport):
     def open(self, peer_layout: KVLayout, send: Send) -> Send:
         return send  # the handle is the way back to the peer
 
-    def start(self, handle: Send, ready: KVReady, dst_block_ids: list[int]) -> Outcome:
+    def start(self, handle: Send, ready: KVReady, dst_block_ids: list[int], first_block: int = 0) -> Outcome:
         ranges = [[s.head_start, s.head_end] for s in self.shards]
-        if not handle(KVPull(ready.request_id, head_ranges=ranges)):
+        if not handle(KVPull(ready.request_id, head_ranges=ranges, first_block=first_block)):
             return Outcome.failed("cannot reach the prefill node to pull")
         return Outcome.pending()
 

@@ -329,13 +329,18 @@ class KVReady(Message):
 @dataclass
 class KVPull(Message):
     """Send the request's KV: one payload frame per head range, in order (one per decode rank,
-    [start, end) of the model's KV heads); none named = every head in one frame."""
+    [start, end) of the model's KV heads); none named = every head in one frame. `first_block`:
+    only the tokens from that block of the KVReady on (the decode node's prefix cache holds the
+    blocks before it)."""
 
     TYPE: ClassVar[str] = "kv_pull"
     request_id: str
     head_ranges: list[list[int]] = field(default_factory=list)
+    first_block: int = 0
 
     def wire_error(self) -> str | None:
+        if self.first_block < 0:
+            return "first_block must be >= 0"
         if len(self.head_ranges) > MAX_RANKS:
             return f"{len(self.head_ranges)} head ranges, at most {MAX_RANKS}"
         if any(len(r) != 2 for r in self.head_ranges):

@@ -1,7 +1,8 @@
 """Multi-turn conversations on a real stack (router, 1 prefill + 2 decode processes): each next turn
 is routed to the decode node that holds its history, prefilled there (only the new tokens), and no
 KV moves; a node killed mid-conversation leaves the index within the heartbeat timeout and the next
-turn goes elsewhere; a router restarted late routes by the caches again from the nodes' snapshots.
+turn goes elsewhere; a follow-up prefilled on a prefill node moves only the KV the decode node
+lacks; a router restarted late routes by the caches again from the nodes' snapshots.
 Every output equals transformers' greedy one."""
 
 from __future__ import annotations
@@ -88,6 +89,17 @@ def test_follow_up_turns_reuse_the_decode_nodes_kv(cluster, model_dir):
     assert _cached_paths(cluster) == 1
     assert cached >= (len(history) + MAX_TOKENS - 1) // 16 * 16 - 16  # the history's blocks, from the holder
     assert {n: _received(cluster, n) - before[n] for n in ("d0", "d1")} == {"d0": 0, "d1": 0}
+    per_token = moved[holder] / len(history)
+
+    # A long new part (past --cached-prefill-max-tokens): prefilled on p0, decoded on the holder,
+    # which pulls only what its cache lacks: the history's blocks stay, the new tokens move.
+    held = prompt + out
+    prompt = held + [rng.randrange(3, 256) for _ in range(300)]
+    before = _received(cluster, holder)
+    out, _ = _turn(cluster, prompt)
+    assert out == hf_greedy(model, prompt, MAX_TOKENS)
+    moved_now = _received(cluster, holder) - before
+    assert 300 * per_token <= moved_now <= (len(prompt) - len(held) // 16 * 16 + 16) * per_token < len(prompt) * per_token
 
     # The holder dies: its entries leave the index with it, and turn 3 is served elsewhere, exactly.
     cluster.kill(holder)

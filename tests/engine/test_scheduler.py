@@ -324,7 +324,7 @@ def test_remote_kv_waits_then_receives_then_runs():
 def test_remote_kv_waits_for_blocks_in_arrival_order():
     sched = make_scheduler(num_blocks=6, block_size=4)
     big, small = make_remote(num_tokens=16), make_remote(num_tokens=4)
-    running = make_request(num_tokens=8, max_tokens=8)
+    running = make_request(list(range(100, 108)), max_tokens=8)  # no prefix in common with big
     sched.add_request(running)
     sched.postprocess(out := sched.schedule(), fake_forward(out))  # 2 blocks held
     sched.add_remote(big)  # needs 4 blocks: fits exactly
@@ -337,6 +337,28 @@ def test_remote_kv_waits_for_blocks_in_arrival_order():
     assert sched.remote_kv_failed(small.request_id) is small
     assert sched.remote_kv_failed("unknown") is None and not sched.has_unfinished()
     assert_no_leak(sched.block_manager)
+
+
+def test_remote_kv_takes_the_prefix_its_cache_holds_and_pulls_the_rest():
+    sched = make_scheduler(num_blocks=8, block_size=4)
+    bm = sched.block_manager
+    history = make_request(num_tokens=10, max_tokens=1)  # a turn decoded here: 2 full blocks cached
+    sched.add_request(history)
+    while sched.has_runnable():
+        sched.postprocess(out := sched.schedule(), fake_forward(out))
+    follow_up = make_remote(num_tokens=14)  # the history's 10 tokens + 4 new: blocks 0-1 are hits
+    sched.add_remote(follow_up)
+    assert sched.schedule_remote_kv() == [follow_up]
+    table = bm.block_ids(follow_up.request_id)
+    assert follow_up.num_cached_tokens == 8 and len(table) == 4
+    assert [bm.block_keys[b] is not None for b in table] == [True, True, False, False]  # hits, then fresh
+    alone = make_remote(prompt_token_ids=list(range(200, 214)))  # nothing in common: every block pulled
+    sched.add_remote(alone)
+    assert sched.schedule_remote_kv() == [alone] and alone.num_cached_tokens == 0
+    assert sched.remote_kv_done(follow_up.request_id) is follow_up
+    sched.abort(follow_up.request_id)
+    sched.abort(alone.request_id)
+    assert_no_leak(bm)
 
 
 def test_remote_kv_watermark_only_once_something_runs_or_receives():

@@ -67,6 +67,27 @@ def test_shm_transfer(make_pair, dtype, src_bs, dst_bs):
     pair.released.assert_released_once(["r1"])
 
 
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_pull_from_a_first_block_moves_only_the_rest(make_pair, shm):
+    """The decode node's cache holds the first blocks: only the tokens after them move, into the
+    blocks after them; the cached blocks are left as they were."""
+    pair = make_pair(shm=shm)
+    src_ids, dst_ids = [9, 3, 12], [4, 11, 2]
+    before = pair.dst.clone()
+    pair.send("r1", src_ids, 37)
+    pair.pump(lambda ev: "r1" in kinds(ev, "ready"))
+    with pytest.raises(ValueError, match="past the request"):
+        pair.receiver.pull("r1", dst_ids, first_block=3)
+    pair.receiver.pull("r1", dst_ids, first_block=2)
+    events = pair.pump(lambda ev: "r1" in kinds(ev, "done") + kinds(ev, "failed"))
+    assert kinds(events, "done") == ["r1"] and events[-1].num_bytes == 5 * 2 * 2 * 2 * 16 * 4  # 5 tokens
+    assert same_bytes(gather_tokens(pair.dst, [2], 5), gather_tokens(pair.src, [12], 5))
+    assert same_bytes(pair.dst[:, :, [4, 11]], before[:, :, [4, 11]])  # untouched
+    assert pair.receiver.num_bytes_received == events[-1].num_bytes
+    pair.pump(lambda _: pair.sender.num_held == 0)
+    pair.released.assert_released_once(["r1"])
+
+
 def test_probe_rejects_a_fake_segment(closing, shm_pool_factory):
     """The sender names a real segment but the wrong token: the receiver must not trust it."""
     layout = make_layout()

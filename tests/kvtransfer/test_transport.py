@@ -34,7 +34,7 @@ class Refuses(KVTransport):
     def open(self, peer_layout, send):
         return None
 
-    def start(self, handle, ready, dst_block_ids):
+    def start(self, handle, ready, dst_block_ids, first_block=0):
         raise AssertionError("never opened, never started")
 
 

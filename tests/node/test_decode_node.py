@@ -34,6 +34,7 @@ class FakeReceiver:
         self.events: list[KVEvent] = []
         self.num_bytes_done = 0
         self.pulls: list[tuple[str, list[int]]] = []
+        self.first_blocks: dict[str, int] = {}  # request id → the first block pulled (the ones before: cached)
         self.renewed: list[str] = []
         self.released: list[tuple[str, str]] = []
 
@@ -42,8 +43,9 @@ class FakeReceiver:
         self.num_bytes_done += sum(e.num_bytes for e in events if e.kind is KVEventKind.DONE)
         return events
 
-    def pull(self, request_id: str, block_ids: list[int]) -> None:
+    def pull(self, request_id: str, block_ids: list[int], first_block: int = 0) -> None:
         self.pulls.append((request_id, block_ids))
+        self.first_blocks[request_id] = first_block
 
     def renew(self, request_id: str) -> None:
         self.renewed.append(request_id)
