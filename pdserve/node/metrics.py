@@ -53,6 +53,7 @@ class NodeSnapshot:
     auth_refusals: dict[str, int] | None = None  # decode: peers refused on the CURVE KV socket, by reason
     bytes_received_by_rank: list[int] | None = None  # decode: KV bytes copied into rank r's pool, at r
     spec: SpecDecodeStats | None = None  # speculative decoding's counters (None: not speculating)
+    kv_tier: dict[str, int] | None = None  # the tier below the pool's counters (KVTier.stats; None: no tier)
 
 
 def engine_snapshot(engine, **transfer) -> NodeSnapshot:
@@ -65,6 +66,7 @@ def engine_snapshot(engine, **transfer) -> NodeSnapshot:
         num_prefix_hits=bm.num_prefix_hits, num_preemptions=sched.num_preemptions,
         num_prompt_tokens=sched.num_prompt_tokens_computed, num_generation_tokens=sched.num_tokens_sampled,
         spec=sched.spec_stats.copy() if getattr(engine, "proposer", None) is not None else None,
+        kv_tier=tier.stats() if (tier := getattr(engine, "kv_tier", None)) is not None else None,
         **transfer)
 
 
@@ -129,6 +131,21 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
 
+# The tier below the KV pool (--kv-offload): (stats key, kind, help)
+_TIER_FAMILIES = [
+    ("hits", "counter", "Blocks loaded back from the tier (verified) instead of recomputed"),
+    ("misses", "counter", "Tier lookups that found nothing"),
+    ("puts", "counter", "Evicted blocks written to the tier"),
+    ("evictions", "counter", "Blocks the tier dropped for room (LRU)"),
+    ("corrupt", "counter", "Blocks whose digest did not match when read back (dropped and recomputed)"),
+    ("bytes_read", "counter", "Bytes read back from the tier"),
+    ("bytes_written", "counter", "Bytes written to the tier"),
+    ("keys", "gauge", "Blocks the tier holds"),
+    ("capacity", "gauge", "Blocks the tier can hold"),
+    ("bytes_used", "gauge", "Bytes of the tier in use"),
+]
+
+
 # (name, kind, help, how to read it from a snapshot)
 _FAMILIES: list[tuple[str, str, str, Callable[[NodeSnapshot], float]]] = [
     ("pdserve_num_requests_running", "gauge", "Requests in the node's running batch", lambda s: s.num_running),
@@ -161,6 +178,13 @@ class NodeStateCollector:
     @property
     def _labels(self) -> list[str]:
         return [self._node_id, self._metrics.role if self._metrics is not None else self._role]
+
+    def _tier_families(self, stats: dict[str, int]):
+        for key, kind, doc in _TIER_FAMILIES:
+            family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_cls(f"pdserve_kv_tier_{key}", doc, labels=["node_id", "role"])
+            family.add_metric(self._labels, stats.get(key, 0))
+            yield family
 
     def collect(self):
         snap = self.snapshot()
@@ -195,6 +219,8 @@ class NodeStateCollector:
         yield transfers
         if snap.spec is not None:
             yield from spec_decode_families(snap.spec, self._labels)
+        if snap.kv_tier is not None:
+            yield from self._tier_families(snap.kv_tier)
         if snap.auth_refusals is not None:  # a node with a bound socket (decode): its KV socket
             refusals = CounterMetricFamily("pdserve_auth_refusals", "Peers refused on the node's CURVE KV "
                                            "socket (handshake attempts), by reason: unknown_key, no_curve, "

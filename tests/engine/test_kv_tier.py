@@ -348,3 +348,31 @@ def test_flag_parsing(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-offload", "ssd"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_nodes_kv_events_index_its_tier_and_metrics_count_it(tiny_llama, tmp_path):
+    """A node's publisher reports both tiers; a router's index built from them finds prompt A's
+    evicted blocks on the disk tier (so routing counts them as cached there); /metrics counts them."""
+    from pdserve.node.kv_events import KVEventPublisher
+    from pdserve.node.metrics import NodeMetrics, engine_snapshot
+    from pdserve.router.kv_index import KVIndex, prompt_keys
+    from tests.router.test_kv_index import FakeLink
+
+    with tiny_llm(tiny_llama, kv_offload="disk", kv_offload_gb=0.01, kv_offload_dir=str(tmp_path)) as llm:
+        bm = llm.engine.block_manager
+        pub, link, index = KVEventPublisher(bm, "n", interval_s=0.0), FakeLink(), KVIndex()
+        index.reset_node("n")
+        run_checked(llm, PROMPT_A)
+        pub.publish(link, force=True)  # the snapshot: memory, and the (empty) disk tier
+        for prompt in OTHERS:
+            run_checked(llm, prompt)
+            pub.publish(link, force=True)
+        for msg in link.take():
+            assert index.apply(msg)
+        tiers = index.nodes["n"].tiers
+        assert tiers["memory"] == set(bm.cached) and tiers["disk"] == set(llm.engine.kv_tier.keys())
+        assert index.cached_tokens("n", prompt_keys(PROMPT_A, BLOCK), BLOCK) == 7 * BLOCK  # all on disk now
+        metrics = NodeMetrics("n", "prefill")
+        metrics.watch(lambda: engine_snapshot(llm.engine))
+        text = metrics.render().decode()
+        assert f'pdserve_kv_tier_puts_total{{node_id="n",role="prefill"}} {float(llm.engine.kv_tier.puts)}' in text
