@@ -10,7 +10,7 @@ When each is recorded, and why there:
     request ended            e2e latency, TPOT, ITL, generation tokens, success by finish reason
     error returned           errors by HTTP status (a 4xx/5xx response or an SSE error event)
     request re-dispatched    retries (a node died, a KV transfer failed)
-    KVEvents applied         staleness (sent → applied), events, resyncs; index size at scrape;
+    KVEvents applied         staleness (sent → applied), events, resyncs; the index's size at scrape;
                              prefix tokens: prompt, expected cached by the index at routing,
                              cached as the prefill node reported (FirstToken)
     peer refused             auth refusals by reason (control socket: unknown_key from the ZAP
@@ -133,9 +133,10 @@ class RouterMetrics:
         self.stage_seconds = dict.fromkeys(ROUTER_STAGES, 0.0)  # add_stage; exported at scrape
         self.stage_tokens = dict.fromkeys(ROUTER_STAGES, 0)
 
-    def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
-        """Scrape-time gauges: requests in flight, and (role, ready) of every live node."""
-        self.registry.register(_RouterStateCollector(num_running, node_roles))
+    def watch(self, num_running: Callable[[], int], node_roles: Callable[[], Iterable[tuple[str, bool]]],
+              index_blocks: Callable[[], int] | None = None) -> None:
+        """Scrape-time gauges: requests in flight, (role, ready) of every live node, the KV index's size."""
+        self.registry.register(_RouterStateCollector(num_running, node_roles, index_blocks))
 
     def watch_saturation(self, saturation, control) -> None:
         """Scrape-time saturation gauges and the per-token stage counters (module docstring)."""
@@ -257,9 +258,10 @@ class _RouterStateCollector:
     """Gauges read from the router at scrape time (a prometheus_client custom collector)."""
 
     def __init__(self, num_running: Callable[[], int],
-                 node_roles: Callable[[], Iterable[tuple[str, bool]]]) -> None:
+                 node_roles: Callable[[], Iterable[tuple[str, bool]]], index_blocks: Callable[[], int] | None) -> None:
         self._num_running = num_running
         self._node_roles = node_roles
+        self._index_blocks = index_blocks
 
     def collect(self):
         running = GaugeMetricFamily("pdserve_num_requests_running", "Requests in flight at the router "
@@ -276,6 +278,11 @@ class _RouterStateCollector:
             for role in ("prefill", "decode", "both"):
                 family.add_metric([role], tally[role])
             yield family
+        if self._index_blocks is not None:
+            index = GaugeMetricFamily("pdserve_router_kv_index_blocks", "Entries of the KV index: (node, tier, "
+                                      "block) the nodes' caches hold, from their KV events")
+            index.add_metric([], self._index_blocks())
+            yield index
 
 
 class _SaturationCollector:

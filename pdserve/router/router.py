@@ -94,7 +94,8 @@ class Router:
         self.monitor = Monitor(self.registry, self.control, self.table, self.dispatcher, self.redispatcher,
                                lost_after_s=lost_after_s)
         self.metrics.watch(lambda: len(self.table),
-                           lambda: [(n.role, n.ready) for n in self.registry.nodes.values()])
+                           lambda: [(n.role, n.ready) for n in self.registry.nodes.values()],
+                           lambda: self.registry.kv_index.num_blocks)
         self.metrics.watch_saturation(self.saturation, self.control)
         self.planner: PlannerLoop | None = None  # --planner: role changes and pool sizes (planner_loop.py)
         if planner is not None:

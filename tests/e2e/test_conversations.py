@@ -123,4 +123,6 @@ def test_follow_up_turns_reuse_the_decode_nodes_kv(cluster, model_dir):
     assert out == hf_greedy(model, prompt, MAX_TOKENS)
     assert _cached_paths(cluster) == 1 and cached > len(history)
     assert _received(cluster, other) == before_other
-    assert re.search(r"pdserve_router_kv_event_staleness_seconds_count [1-9]", _metrics(cluster.url))
+    text = _metrics(cluster.url)
+    assert re.search(r"pdserve_router_kv_event_staleness_seconds_count [1-9]", text)
+    assert _sample(text, "pdserve_router_kv_index_blocks") >= len(prompt) // 16  # the survivor's and p0's blocks
