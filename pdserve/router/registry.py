@@ -244,7 +244,9 @@ class Registry:
 
         A "both" node chosen for prefill decodes the request too: moving KV off a node that can
         decode it itself only costs a transfer. Otherwise the decode node is the one with the most
-        free blocks (ties: fewest running, then node id, so the choice is deterministic).
+        free blocks (ties: fewest running, then node id, so the choice is deterministic); once the
+        nodes report their caches, `pick_prefill`, `pick_decode` and the cached path read them
+        (module docstring).
 
         Under `--disagg-policy never|auto` the decode node is picked first, and the path policy
         (disagg.py) says whether it prefills the request itself (`Route(decode, None)`) or a
