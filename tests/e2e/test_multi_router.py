@@ -119,6 +119,22 @@ def test_two_routers_on_one_port_serve_64_streams_exactly(cluster, model_dir):
     per_server = {i: sum(s.server == i for s in streams) for i in (0, 1)}
     assert per_server[0] > 0 and per_server[1] > 0, per_server  # both routers carried traffic
     assert_no_blocks(cluster, list(names))
+    indexed: dict[int, float] = {}  # every router indexes every node's cache, whoever sent the requests
+
+    def every_router_indexed() -> bool:
+        conn = http.client.HTTPConnection("127.0.0.1", cluster.port, timeout=10)
+        try:
+            conn.request("GET", "/metrics")
+            resp = conn.getresponse()
+            text = resp.read().decode()
+        except (OSError, http.client.HTTPException):
+            return False
+        finally:
+            conn.close()
+        line = next(x for x in text.splitlines() if x.startswith("pdserve_router_kv_index_blocks "))
+        indexed[int(resp.headers[API_SERVER_HEADER])] = float(line.split()[1])
+        return len(indexed) == 2 and min(indexed.values()) > 0
+    Cluster.wait(every_router_indexed, 30, "both routers' KV indexes")
 
 
 @pytest.mark.timeout(400)
