@@ -49,12 +49,14 @@ from __future__ import annotations
 
 import abc
 import errno
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import struct
 import tempfile
+import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
@@ -267,16 +269,24 @@ class DiskTier(_SlotTier):
     """Slots in one memory-mapped file under `directory` (a fresh subdirectory of it, or of the
     system's temp dir when None, removed on `close`). Slot = header (key, digest of (key, bytes))
     + the block's bytes at a 64-byte offset. The key → slot map is in memory: the file is this
-    process's and does not outlive it."""
+    process's and does not outlive it.
+
+    A process killed with -9 cannot remove its directory, so each tier holds a shared `flock` on
+    its directory's `lock` file while it lives, and a new tier first removes every
+    `pdserve-kv-tier-*` directory beside it whose lock nobody holds (`sweep_dead_tiers`)."""
 
     def __init__(self, block_bytes: int, capacity: int, directory: str | Path | None = None) -> None:
         super().__init__(block_bytes, capacity)
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
-        self.directory = Path(tempfile.mkdtemp(prefix="pdserve-kv-tier-", dir=directory))
+        parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+        self.num_swept = sweep_dead_tiers(parent)
+        self.directory = Path(tempfile.mkdtemp(prefix=TIER_DIR_PREFIX, dir=parent))
         self.path = self.directory / "blocks.bin"
         self.slot_bytes = _HEADER + block_bytes
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+        self._lock = open(self.directory / "lock", "w")  # held (shared) while this tier lives
+        fcntl.flock(self._lock, fcntl.LOCK_SH)
+        self._finalizer = weakref.finalize(self, _remove_tier, str(self.directory), self._lock)
         try:
             size = capacity * self.slot_bytes
             with open(self.path, "wb") as f:
@@ -318,6 +328,34 @@ class DiskTier(_SlotTier):
         self._free = deque(range(self.capacity))
         self._file = None
         self._finalizer()
+
+
+TIER_DIR_PREFIX = "pdserve-kv-tier-"
+
+
+def _remove_tier(directory: str, lock) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    lock.close()
+
+
+def sweep_dead_tiers(parent: Path, min_age_s: float = 5.0) -> int:
+    """Remove the disk tiers under `parent` whose process is gone (nobody holds their lock);
+    returns how many. One younger than `min_age_s` may be a tier being created (its lock not
+    taken yet): left alone."""
+    removed = 0
+    now = time.time()
+    for directory in parent.glob(TIER_DIR_PREFIX + "*"):
+        lock_path = directory / "lock"
+        try:
+            if now - directory.stat().st_mtime < min_age_s:
+                continue
+            with open(lock_path) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while a live tier holds it
+                shutil.rmtree(directory, ignore_errors=True)
+                removed += 1
+        except OSError:
+            continue
+    return removed
 
 
 def make_tier(kind: str, block_bytes: int, capacity_gb: float, *, directory: str | Path | None = None,

@@ -376,3 +376,31 @@ def test_a_nodes_kv_events_index_its_tier_and_metrics_count_it(tiny_llama, tmp_p
         metrics.watch(lambda: engine_snapshot(llm.engine))
         text = metrics.render().decode()
         assert f'pdserve_kv_tier_puts_total{{node_id="n",role="prefill"}} {float(llm.engine.kv_tier.puts)}' in text
+
+
+def test_a_killed_nodes_disk_tier_is_removed_by_the_next_one(tmp_path):
+    """A tier whose process died (-9: nothing ran) leaves its directory; the next disk tier under
+    the same directory removes it, and never a live tier's or one just being created."""
+    import os
+    import time
+
+    from pdserve.engine.kv_tier import TIER_DIR_PREFIX
+
+    live = DiskTier(64, 4, tmp_path)
+    dead = tmp_path / f"{TIER_DIR_PREFIX}dead"
+    dead.mkdir()
+    (dead / "lock").write_text("")
+    (dead / "blocks.bin").write_bytes(b"\0" * 1024)
+    young = tmp_path / f"{TIER_DIR_PREFIX}young"  # being created: its lock not taken yet
+    young.mkdir()
+    old = time.time() - 60
+    for path in (dead, live.directory):
+        os.utime(path, (old, old))
+    newer = DiskTier(64, 4, tmp_path)
+    assert newer.num_swept == 1 and not dead.exists()
+    assert live.directory.exists() and young.exists()
+    live.put(1, block(1))
+    assert live.get(1) is not None  # untouched
+    live.close()
+    newer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [young.name]
