@@ -26,6 +26,10 @@ EXAMPLES = [
     m.Deregister(node_id="p0"),
     m.Reregister(reason="unknown node"),
     m.SetRole(role="decode", reason="planner: best 0P+2D"),
+    m.KVEvents(node_id="d0", seq=7, prev_seq=3, tier="disk", stored=[hash((0, (1, 2))), -5], removed=[2**63 - 1],
+               block_size=16, sent_at=1.5),
+    m.KVEvents(node_id="p0", seq=9, prev_seq=0, stored=[1, 2, 3], reset=True),
+    m.KVResync(reason="a gap"),
     m.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 5, "stop": ["x"]},
                      decode_node_id="d0", decode_kv_addr="tcp://127.0.0.1:5", priority=1, arrival_time=1.5),
     m.FirstToken(request_id="r1", token_id=9, logprobs={9: -0.5}, finish_reason="length", num_prompt_tokens=3,
@@ -40,6 +44,7 @@ EXAMPLES = [
     m.KVReady(request_id="r1", prompt_token_ids=[1, 2, 3], first_token=9, first_logprobs=None,
               sampling={"max_tokens": 5}, num_tokens=3, block_ids=[4], block_size=16, lease_s=30.0, priority=0),
     m.KVPull(request_id="r1", head_ranges=[[0, 1], [1, 2]]),
+    m.KVPull(request_id="r1", first_block=3),
     m.KVData(request_id="r1", ok=True, dtype="bfloat16", shapes=[[2, 2, 3, 1, 16], [2, 2, 3, 1, 16]]),
     m.LeaseRenew(request_id="r1"),
     m.KVDone(request_id="r1", ok=True),
@@ -51,6 +56,15 @@ def test_heartbeat_step_samples_are_bounded_rows_of_four():
         wire = m.Heartbeat("d0", 1, 1, 0, 0, step_samples=bad).encode()
         with pytest.raises(m.MessageError, match="step_samples"):
             m.decode(wire)
+
+
+def test_kv_events_and_pulls_are_bounded():
+    for bad, match in ((m.KVEvents("d0", 1, 0, tier="ssd"), "tier"),
+                       (m.KVEvents("d0", 1, 0, stored=list(range(m.MAX_KV_EVENTS // 2 + 1)),
+                                   removed=list(range(m.MAX_KV_EVENTS // 2))), "block keys"),
+                       (m.KVPull("r1", first_block=-1), "first_block")):
+        with pytest.raises(m.MessageError, match=match):
+            m.decode(bad.encode())
 
 
 def test_every_message_type_has_an_example():
