@@ -64,7 +64,7 @@ def build(args, *, indexed: bool, rng: random.Random) -> tuple[Registry, list[li
             for name in rng.sample(names, 2):
                 held[name] += keys
         for name, keys in held.items():
-            reg.kv_index.apply(KVEvents(name, 1, 0, stored=keys, reset=True, block_size=BLOCK_SIZE))
+            reg.kv_index.apply(KVEvents(name, 1, 0, stored=keys, reset=True))
     return reg, prefixes
 
 

@@ -30,17 +30,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from pdserve.engine.block_manager import block_keys  # the engine's own keys
+
 DEFAULT_BLOCK_SIZE = 16  # the engine's default block size
-
-
-def block_keys(token_ids: Sequence[int], block_size: int, num_tokens: int | None = None) -> list[int]:
-    """The hash-chained keys of the full blocks in the first `num_tokens` tokens (default: all)."""
-    n = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
-    keys, parent = [], 0
-    for start in range(0, n - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        keys.append(parent)
-    return keys
 
 
 class PrefixOracle:

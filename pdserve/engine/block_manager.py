@@ -41,11 +41,26 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_events import LOWER_TIER, KVEventLog
 
 logger = logging.getLogger(__name__)
 
-TIER_EVENTS_NAME = "disk"  # the KVEvents tier of every backend below memory (host or disk)
+
+def block_key(parent: int, tokens: Sequence[int]) -> int:
+    """The prefix-cache key of a full block: chained over its parent's key (0 for the first), so
+    equal keys mean equal prefixes. Python's hash of a tuple of ints: the same in every process of
+    one Python version, so a router computes the keys a node's cache holds (router/kv_index.py)."""
+    return hash((parent, tuple(tokens)))
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, num_tokens: int | None = None) -> list[int]:
+    """The keys of the full blocks within the first `num_tokens` tokens (default: all)."""
+    n = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+    keys, parent = [], 0
+    for start in range(0, n - block_size + 1, block_size):
+        parent = block_key(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return keys
 
 
 class BlockTierHooks(Protocol):
@@ -115,9 +130,9 @@ class BlockManager:
     def _tier_event(self, key: int, stored: bool) -> None:
         if self.events is not None:
             if stored:
-                self.events.stored(key, TIER_EVENTS_NAME)
+                self.events.stored(key, LOWER_TIER)
             else:
-                self.events.removed(key, TIER_EVENTS_NAME)
+                self.events.removed(key, LOWER_TIER)
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -151,7 +166,7 @@ class BlockManager:
         protected = 0  # hits in the LRU list, moved to its end so a load's eviction cannot take them
         num_loaded = 0
         for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            parent = hash((parent, tuple(token_ids[start : start + bs])))
+            parent = block_key(parent, token_ids[start : start + bs])
             block_id = self.cached.get(parent)
             if block_id is None:
                 if tier is None or not tier.touch(parent):  # held: now the tier's most recently used
@@ -202,7 +217,7 @@ class BlockManager:
         parent = keys[-1] if keys else 0
         bs = self.block_size
         for i in range(len(keys), num_computed_tokens // bs):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            parent = block_key(parent, token_ids[i * bs : (i + 1) * bs])
             keys.append(parent)
             block_id = table[i]
             if self.block_keys[block_id] is None and parent not in self.cached:

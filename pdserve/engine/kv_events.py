@@ -14,8 +14,11 @@ gets None and must send a snapshot instead.
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 STORED, REMOVED = 1, 0
+MEMORY_TIER = "memory"  # the KV pool (the protocol's KVEvents tiers: protocol.messages.KV_TIERS)
+LOWER_TIER = "disk"  # every backend below memory (engine/kv_tier.py: host or disk)
 DEFAULT_MAX_EVENTS = 1 << 18
 
 
@@ -30,10 +33,10 @@ class KVEventLog:
         """The sequence number before the oldest event kept (readers at or past it can catch up)."""
         return self.seq - len(self._events)
 
-    def stored(self, key: int, tier: str = "memory") -> None:
+    def stored(self, key: int, tier: str = MEMORY_TIER) -> None:
         self._add(STORED, tier, key)
 
-    def removed(self, key: int, tier: str = "memory") -> None:
+    def removed(self, key: int, tier: str = MEMORY_TIER) -> None:
         self._add(REMOVED, tier, key)
 
     def _add(self, op: int, tier: str, key: int) -> None:
@@ -49,10 +52,8 @@ class KVEventLog:
         if seq < self.first_seq or seq > self.seq:
             return None
         last: dict[tuple[str, int], int] = {}
-        skip = seq - self.first_seq
-        for i, (op, tier, key) in enumerate(self._events):
-            if i >= skip:
-                last[(tier, key)] = op
+        for op, tier, key in islice(self._events, seq - self.first_seq, None):
+            last[(tier, key)] = op
         out: dict[str, tuple[list[int], list[int]]] = {}
         for (tier, key), op in last.items():
             stored, removed = out.setdefault(tier, ([], []))

@@ -59,14 +59,13 @@ import tempfile
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-TIER_NAME = "disk"  # the KVEvents tier of every backend (the protocol knows "memory" and "disk")
 DIGEST_SIZE = 32
 _KEY = struct.Struct("<q")  # a Python hash: a signed 64-bit int
 _HEADER = 64  # disk slot: key (8 bytes), digest (32), padding; the block's bytes start here
@@ -87,8 +86,6 @@ def _as_buffer(t: torch.Tensor):
 
 class KVTier(abc.ABC):
     """Fixed-size blocks of bytes keyed by the prefix cache's chained hash, LRU, verified on read."""
-
-    name = TIER_NAME
 
     def __init__(self, block_bytes: int, capacity: int) -> None:
         if block_bytes < 1:
@@ -237,9 +234,6 @@ class _SlotTier(KVTier):
     def __len__(self) -> int:
         return len(self._slots)
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(list(self._slots))
-
 
 class HostTier(_SlotTier):
     """Slots in host memory (pinned for a CUDA pool: copies to and from the device run at PCIe
@@ -381,13 +375,18 @@ class BlockTier:
     def __init__(self, tier: KVTier, pools: list[torch.Tensor]) -> None:
         self.tier = tier
         self.pools = pools
-        self._sizes = [p[:, :, 0].numel() * p.element_size() for p in pools]
+        self._sizes = self.block_sizes(pools)
         if sum(self._sizes) != tier.block_bytes:
             raise ValueError(f"the pools' blocks are {sum(self._sizes)} bytes, the tier's {tier.block_bytes}")
 
     @staticmethod
-    def block_bytes(pools: list[torch.Tensor]) -> int:
-        return sum(p[:, :, 0].numel() * p.element_size() for p in pools)
+    def block_sizes(pools: list[torch.Tensor]) -> list[int]:
+        """Bytes of one block in each pool."""
+        return [p[:, :, 0].numel() * p.element_size() for p in pools]
+
+    @classmethod
+    def block_bytes(cls, pools: list[torch.Tensor]) -> int:
+        return sum(cls.block_sizes(pools))
 
     def offload(self, key: int, block_id: int) -> None:
         """Copy block `block_id` into the tier under `key` (before the block is overwritten)."""

@@ -7,11 +7,11 @@ WAITING_FOR_REMOTE_KVS). The scheduler owns those states too, and the blocks the
     add_remote ─▶ WAITING_FOR_KV ──schedule_remote_kv──▶ RECEIVING_KV ──remote_kv_done──▶ RUNNING
                   (no blocks; arrival   (blocks allocated here for the    (joins the batch: prompt KV
                    order)                prompt; the node pulls into them)  computed, first token fed next)
+                  remote_kv_failed / abort, from either state ─▶ FINISHED_ABORTED, blocks freed
 
 A prompt whose leading blocks this node's prefix cache holds (a conversation's next turn, whose
 history this node decoded) takes those blocks as hits, as a local prefill would, and only the
 rest is pulled: `request.num_cached_tokens` says how many tokens the node already had.
-                  remote_kv_failed / abort, from either state ─▶ FINISHED_ABORTED, blocks freed
 
 `schedule_remote_kv` starts pulls in the policy's order (arrival order, but for sjf) while
 `max_num_seqs` (running + receiving) and free blocks allow, keeping the watermark back unless

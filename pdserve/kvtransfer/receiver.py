@@ -117,7 +117,6 @@ class _Incoming:
     lease_deadline: float  # our (conservative) estimate of when the peer frees the blocks
     dst_block_ids: list[int] | None = None  # set by pull(): the blocks the transfer fills
     part: KVReady | None = None  # set by pull(): what is moved (the KVReady less the blocks held here already)
-    first_block: int = 0
     link: _Link | None = None  # the transport pull() chose
     pulled_at: float | None = None  # a transfer is PENDING since (its data comes as a message)
 
@@ -238,7 +237,6 @@ class KVReceiver:
         if error is not None:
             raise ValueError(error)
         ready = inc.ready
-        inc.first_block = first_block
         inc.part = ready if not first_block else replace(
             ready, block_ids=ready.block_ids[first_block:], num_tokens=ready.num_tokens - first_block * ready.block_size)
         inc.dst_block_ids = list(dst_block_ids[first_block:])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_events import LOWER_TIER, MEMORY_TIER, KVEventLog
 from pdserve.protocol.messages import KVEvents
 
 DEFAULT_INTERVAL_S = 0.005
@@ -49,7 +49,6 @@ class KVEventPublisher:
             block_manager.events = self.log
         self.readers: dict[str, _Reader] = {}  # router address → its position
         self._last_publish = 0.0
-        self.num_messages = 0
         self.num_snapshots = 0
 
     def publish(self, link, *, force: bool = False) -> None:
@@ -61,20 +60,18 @@ class KVEventPublisher:
         if not force and now - self._last_publish < self.interval_s:
             return
         self._last_publish = now
-        links = list(link.links.values()) if hasattr(link, "links") else [link]
         seen = set()
-        for one in links:
-            addr = getattr(one, "router_addr", "")
-            seen.add(addr)
-            if getattr(one, "registered", False):
-                self._publish_to(one, self.readers.setdefault(addr, _Reader()))
+        for one in link.each():
+            seen.add(one.router_addr)
+            if one.registered:
+                self._publish_to(one, self.readers.setdefault(one.router_addr, _Reader()))
         for addr in [a for a in self.readers if a not in seen]:  # a router that left
             del self.readers[addr]
         if self.readers:
             self.log.trim(min(r.seq for r in self.readers.values()))
 
     def _publish_to(self, link, reader: _Reader) -> None:
-        wants_snapshot = getattr(link, "kv_resync", False) or getattr(link, "num_registers", 0) != reader.registers
+        wants_snapshot = link.kv_resync or link.num_registers != reader.registers
         changes = None if wants_snapshot else self.log.since(reader.seq)
         if changes is None:
             self._snapshot(link, reader)
@@ -85,12 +82,12 @@ class KVEventPublisher:
 
     def _snapshot(self, link, reader: _Reader) -> None:
         link.kv_resync = False
-        reader.registers = getattr(link, "num_registers", 0)
+        reader.registers = link.num_registers
         self.num_snapshots += 1
         bm = self.block_manager
-        tiers = {"memory": bm.cached_keys()}
-        if getattr(bm, "tier", None) is not None:  # a tier below memory (--kv-offload)
-            tiers["disk"] = bm.tier_keys()
+        tiers = {MEMORY_TIER: bm.cached_keys()}
+        if bm.tier is not None:  # a tier below memory (--kv-offload)
+            tiers[LOWER_TIER] = bm.tier_keys()
         for tier, keys in tiers.items():
             self._send(link, reader, tier, keys, [], reset=True)
         reader.seq = self.log.seq
@@ -102,6 +99,5 @@ class KVEventPublisher:
         for i, (part_stored, part_removed) in enumerate(parts):
             link.send(KVEvents(node_id=self.node_id, seq=self.log.seq, prev_seq=reader.seq, tier=tier,
                                stored=part_stored, removed=part_removed, reset=reset and i == 0,
-                               block_size=self.block_manager.block_size, sent_at=time.time()))
+                               sent_at=time.time()))
             reader.seq = self.log.seq
-            self.num_messages += 1

@@ -112,6 +112,10 @@ class RouterLink:
         """The heartbeat the thread sends from now on."""
         self._latest = heartbeat
 
+    def each(self) -> list[RouterLink]:
+        """The link to each router: this one (RouterLinks has one per router)."""
+        return [self]
+
     def origin(self, request_id: str) -> str:
         """The router a request came from: with one router, this one (router_links.py keeps a table)."""
         return self.router_addr

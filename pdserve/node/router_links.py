@@ -106,6 +106,10 @@ class RouterLinks:
         for link in self.links.values():
             link.deregister()
 
+    def each(self) -> list[RouterLink]:
+        """The link to each router."""
+        return list(self.links.values())
+
     # ---- origins ----------------------------------------------------------------------------
     def origin(self, request_id: str) -> str:
         """The address of the router `request_id` came from ("" when unknown)."""

@@ -136,12 +136,13 @@ class KVEvents(Message):
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     reset: bool = False
-    block_size: int = 0
     sent_at: float = 0.0  # the node's time.time() when sent: the router measures staleness
 
     def wire_error(self) -> str | None:
         if self.tier not in KV_TIERS:
             return f"tier must be one of {', '.join(KV_TIERS)}"
+        if self.seq < 0 or self.prev_seq < 0:
+            return "seq and prev_seq must be >= 0"
         if len(self.stored) + len(self.removed) > MAX_KV_EVENTS:
             return f"at most {MAX_KV_EVENTS} block keys per message"
         return None

@@ -194,11 +194,12 @@ class NodeMessages:
         node = self.registry.nodes.get(msg.node_id)
         if node is None:
             return  # not registered (its Register is on the way, or it was dropped): a snapshot follows a Register
+        seq = self.registry.kv_index.nodes[msg.node_id].seq
         if self.registry.kv_index.apply(msg):
-            self.metrics.observe_kv_events(msg, self.registry.kv_index)
+            self.metrics.observe_kv_events(msg)
             return
         logger.info("node %s: a gap in its KV events (seq %d after %d): asking for a snapshot", msg.node_id,
-                    msg.prev_seq, self.registry.kv_index.nodes[msg.node_id].seq)
+                    msg.prev_seq, seq)
         self.metrics.observe_resync()
         await self.dispatcher.send(node, KVResync("a gap in the KV events"))
 

@@ -4,12 +4,11 @@ Every node publishes the keys its prefix cache stores and evicts (KVEvents, node
 to every router; each router keeps this index from them, and the routing policies read it
 (registry.py): how many of a prompt's leading tokens each node already holds.
 
-Keys. A block's key is the engine's prefix-cache key (engine/block_manager.py), chained over
-the block's parent: ``key(i) = hash((key(i-1), tokens of block i))`` with Python's hash of a
-tuple of ints, which is the same in every process of one Python version (no PYTHONHASHSEED
-involved), so the router computes a prompt's keys itself (`prompt_keys`) and looks them up. A
-prompt's cached prefix on a node is its leading keys the node holds, in any tier, up to the last
-full block before its last token (the engine always computes that token).
+Keys. A block's key is the engine's prefix-cache key (`block_key` in engine/block_manager.py),
+the same in every process of one Python version, so the router computes a prompt's keys itself
+(`prompt_keys`, with the node's block size from its Register) and looks them up. A prompt's
+cached prefix on a node is its leading keys the node holds, in any tier, up to the last full
+block before its last token (the engine always computes that token).
 
 Consistency. Per node: Register clears its entries (a snapshot follows on the same socket);
 a KVEvents with `reset` replaces a tier; otherwise its `prev_seq` must be the `seq` of the last
@@ -25,10 +24,10 @@ Routing: one hash per prompt block (once per request per block size) and one set
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.engine.block_manager import block_keys
 from pdserve.protocol.messages import KVEvents
 
 
@@ -37,9 +36,11 @@ class NodeCache:
     """What one node's caches hold, per tier."""
 
     tiers: dict[str, set[int]] = field(default_factory=dict)
-    seq: int = -1  # the last KVEvents' seq applied; -1: no snapshot yet
-    block_size: int = 0
-    synced: bool = False  # a snapshot arrived since the node registered (or the last gap)
+    seq: int = -1  # the last KVEvents' seq applied; -1: no snapshot since the node registered or the last gap
+
+    @property
+    def synced(self) -> bool:
+        return self.seq >= 0
 
     def holds(self, key: int) -> bool:
         return any(key in keys for keys in self.tiers.values())
@@ -53,7 +54,6 @@ class KVIndex:
     def __init__(self) -> None:
         self.nodes: dict[str, NodeCache] = {}
         self.num_gaps = 0  # deltas that did not follow on: resyncs asked for
-        self.last_staleness_s: float | None = None
 
     # ---- membership -------------------------------------------------------------------------
     def reset_node(self, node_id: str) -> None:
@@ -64,7 +64,7 @@ class KVIndex:
         self.nodes.pop(node_id, None)
 
     # ---- events -----------------------------------------------------------------------------
-    def apply(self, msg: KVEvents, now: float | None = None) -> bool:
+    def apply(self, msg: KVEvents) -> bool:
         """Apply one KVEvents; False when a delta does not follow the last one applied (or none
         came since the node registered): the caller asks the node for a snapshot (KVResync)."""
         cache = self.nodes.get(msg.node_id)
@@ -72,20 +72,15 @@ class KVIndex:
             return True
         if msg.reset:
             cache.tiers[msg.tier] = set(msg.stored)
-            cache.synced = True
         elif not cache.synced or msg.prev_seq != cache.seq:
             self.num_gaps += 1
-            cache.synced = False
+            cache.seq = -1
             return False
         else:
             keys = cache.tiers.setdefault(msg.tier, set())
             keys.difference_update(msg.removed)
             keys.update(msg.stored)
         cache.seq = msg.seq
-        if msg.block_size:
-            cache.block_size = msg.block_size
-        if msg.sent_at:
-            self.last_staleness_s = max(0.0, (time.time() if now is None else now) - msg.sent_at)
         return True
 
     # ---- queries ----------------------------------------------------------------------------
@@ -100,7 +95,7 @@ class KVIndex:
     def cached_tokens(self, node_id: str, keys: Sequence[int], block_size: int) -> int:
         """Leading prompt tokens (whole blocks) `node_id` holds, from the prompt's `keys`."""
         cache = self.nodes.get(node_id)
-        if cache is None or not cache.synced or (cache.block_size and cache.block_size != block_size):
+        if cache is None or not cache.synced:
             return 0
         n = 0
         for key in keys:
@@ -112,10 +107,5 @@ class KVIndex:
 
 def prompt_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The prefix-cache keys of a prompt's full blocks an engine could reuse: every full block
-    before the last token (engine/block_manager.py `get_computed_blocks`, the same chain)."""
-    keys: list[int] = []
-    parent = 0
-    for start in range(0, len(token_ids) - block_size, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        keys.append(parent)
-    return keys
+    before the last token (as `BlockManager.get_computed_blocks` looks them up)."""
+    return block_keys(token_ids, block_size, len(token_ids) - 1)

@@ -38,6 +38,7 @@ path stays free of metric calls.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 
@@ -203,14 +204,14 @@ class RouterMetrics:
         if num_cached_tokens > 0:
             self.prefix_tokens.labels(kind="cached").inc(num_cached_tokens)
 
-    def observe_kv_events(self, msg, index) -> None:
-        """A KVEvents applied to `index` (kv_index.KVIndex, which measured its staleness)."""
+    def observe_kv_events(self, msg) -> None:
+        """A KVEvents applied to the index: its keys, and its age (the node's send to now)."""
         if msg.stored:
             self.kv_events.labels(op="stored").inc(len(msg.stored))
         if msg.removed:
             self.kv_events.labels(op="removed").inc(len(msg.removed))
-        if msg.sent_at and index.last_staleness_s is not None:
-            self.kv_staleness.observe(index.last_staleness_s)
+        if msg.sent_at:
+            self.kv_staleness.observe(max(0.0, time.time() - msg.sent_at))
 
     def observe_resync(self) -> None:
         self.kv_resyncs.inc()

@@ -27,7 +27,7 @@ EXAMPLES = [
     m.Reregister(reason="unknown node"),
     m.SetRole(role="decode", reason="planner: best 0P+2D"),
     m.KVEvents(node_id="d0", seq=7, prev_seq=3, tier="disk", stored=[hash((0, (1, 2))), -5], removed=[2**63 - 1],
-               block_size=16, sent_at=1.5),
+               sent_at=1.5),
     m.KVEvents(node_id="p0", seq=9, prev_seq=0, stored=[1, 2, 3], reset=True),
     m.KVResync(reason="a gap"),
     m.PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 5, "stop": ["x"]},

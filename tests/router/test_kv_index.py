@@ -38,6 +38,9 @@ class FakeLink:
         self.sent.append(decode(msg.encode()))
         return True
 
+    def each(self) -> list[FakeLink]:
+        return [self]
+
     def take(self) -> list[KVEvents]:
         out, self.sent = self.sent, []
         return out
@@ -73,7 +76,7 @@ def test_index_applies_snapshots_and_deltas_and_sees_gaps():
     index = KVIndex()
     index.reset_node("n")
     assert not index.apply(KVEvents("n", seq=3, prev_seq=2, stored=[1]))  # no snapshot yet: ask for one
-    assert index.apply(KVEvents("n", seq=3, prev_seq=0, stored=[1, 2, 3], reset=True, block_size=BS))
+    assert index.apply(KVEvents("n", seq=3, prev_seq=0, stored=[1, 2, 3], reset=True))
     assert index.apply(KVEvents("n", seq=5, prev_seq=3, stored=[4], removed=[2]))
     assert index.nodes["n"].tiers["memory"] == {1, 3, 4}
     assert index.apply(KVEvents("n", seq=6, prev_seq=5, tier="disk", stored=[2]))
@@ -133,7 +136,9 @@ def test_a_reader_that_fell_behind_the_log_gets_a_snapshot():
     slow, fast = FakeLink("tcp://slow"), FakeLink("tcp://fast")
 
     class Links:
-        links = {"tcp://slow": slow, "tcp://fast": fast}
+        @staticmethod
+        def each():
+            return [slow, fast]
 
     pub.publish(Links, force=True)
     slow.registered = False  # not published to (its router went quiet)
@@ -157,7 +162,7 @@ def _registry_with_caches(prefill_loads=(0, 0)) -> Registry:
                      f"d{i}".encode())
         reg.heartbeat(Heartbeat(f"d{i}", 100, 100, 0, 0))
     for node_id in reg.nodes:
-        reg.kv_index.apply(KVEvents(node_id, 0, 0, reset=True, block_size=BS))
+        reg.kv_index.apply(KVEvents(node_id, 0, 0, reset=True))
     return reg
 
 
@@ -211,21 +216,21 @@ def test_auto_counts_only_the_tokens_each_node_must_compute():
 def test_the_index_forgets_nodes_that_leave():
     parts = Parts(heartbeat_timeout_s=5.0)
     reg = parts.registry
-    parts.handle(Register("d0", "decode", "m", kv_addr="tcp://d0", num_total_blocks=10, block_size=BS))
-    parts.handle(KVEvents("d0", 2, 0, stored=[11, 12], reset=True, block_size=BS))
+    parts.handle(Register("d0", "decode", "m", kv_addr="tcp://d0", num_total_blocks=10))
+    parts.handle(KVEvents("d0", 2, 0, stored=[11, 12], reset=True))
     assert reg.kv_index.nodes["d0"].tiers["memory"] == {11, 12}
     parts.handle(KVEvents("d0", 5, 4, stored=[13]))  # a gap: KVResync, nothing applied
     (_, node_id, resync), = parts.dispatcher.named("send")
     assert node_id == "d0" and isinstance(resync, KVResync)
     assert reg.kv_index.nodes["d0"].tiers["memory"] == {11, 12} and not reg.kv_index.knows(["d0"])
-    parts.handle(Register("d0", "decode", "m", kv_addr="tcp://d0", num_total_blocks=10, block_size=BS))
+    parts.handle(Register("d0", "decode", "m", kv_addr="tcp://d0", num_total_blocks=10))
     assert reg.kv_index.nodes["d0"].num_blocks == 0  # registered again: its snapshot follows
     parts.handle(KVEvents("d0", 1, 0, stored=[11], reset=True))
     parts.handle(Deregister("d0"))
     assert "d0" not in reg.kv_index.nodes
     parts.handle(KVEvents("d0", 2, 1, stored=[12]))  # from a node that left: ignored
     assert "d0" not in reg.kv_index.nodes
-    parts.handle(Register("d1", "decode", "m", kv_addr="tcp://d1", num_total_blocks=10, block_size=BS))
+    parts.handle(Register("d1", "decode", "m", kv_addr="tcp://d1", num_total_blocks=10))
     parts.handle(KVEvents("d1", 1, 0, stored=[11], reset=True))
     reg.expire(now=1e12)  # missed heartbeats
     assert reg.kv_index.nodes == {}
@@ -233,7 +238,7 @@ def test_the_index_forgets_nodes_that_leave():
 
 def test_staleness_and_prefix_metrics():
     parts = Parts()
-    parts.handle(Register("p0", "prefill", "m", num_total_blocks=10, block_size=BS))
+    parts.handle(Register("p0", "prefill", "m", num_total_blocks=10))
     import time
     parts.handle(KVEvents("p0", 1, 0, stored=[1], reset=True, sent_at=time.time() - 0.02))
     text = asyncio.run(_render(parts))
